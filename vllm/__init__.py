@@ -1,0 +1,22 @@
+"""A clean-room, vLLM-compatible inference engine built around optimization levels."""
+from vllm.version import __version__
+
+# Heavy modules (torch, transformers) load on first use, so `import vllm` stays cheap.
+_LAZY = {
+    "LLM": "vllm.entrypoints.llm",
+    "SamplingParams": "vllm.sampling_params",
+    "RequestOutput": "vllm.outputs",
+    "CompletionOutput": "vllm.outputs",
+    "EngineArgs": "vllm.engine.arg_utils",
+    "LLMEngine": "vllm.engine.llm_engine",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'vllm' has no attribute {name!r}")

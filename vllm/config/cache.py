@@ -1,0 +1,45 @@
+"""KV cache settings: block size, how much memory the cache gets, prefix caching."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.config.utils import hash_fields, parse_human_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: fraction of the device memory the engine may use (weights, activations, KV cache)."""
+    kv_cache_memory: int | str | None = None
+    """CPU: bytes for the KV cache (human readable like 4GiB). Default: VLLM_CPU_KVCACHE_SPACE
+    (GiB) or 4 GiB."""
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    """Use exactly this many KV blocks (tests, debugging)."""
+    cache_dtype: str = "auto"
+    """"auto" = the model's compute dtype."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_human_size(self.kv_cache_memory, "kv_cache_memory")
+            if self.kv_cache_memory <= 0:
+                raise ValueError(
+                    f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError("num_gpu_blocks_override must be at least 2 (one block is reserved "
+                             f"for padding), got {self.num_gpu_blocks_override}")
+        if self.cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"cache_dtype must be one of auto, float32, bfloat16, float16; "
+                             f"got {self.cache_dtype!r}")
+
+    def compute_hash(self) -> str:
+        # Memory sizing never changes the compiled graph.
+        return hash_fields(self, exclude=("gpu_memory_utilization", "kv_cache_memory",
+                                          "num_gpu_blocks_override", "enable_prefix_caching"))

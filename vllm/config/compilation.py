@@ -1,0 +1,267 @@
+"""Compilation settings: the compile mode, CUDA-graph modes, the pass flags and Inductor knobs.
+
+Every field that an optimization level may fill is declared with the default `None` ("unset");
+`VllmConfig.__post_init__` fills it from the level table, the platform and derived rules.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config.utils import config_from_dict, hash_fields
+
+
+class CompilationMode(enum.IntEnum):
+    """How the model's forward is compiled."""
+
+    NONE = 0  # eager PyTorch
+    STOCK_TORCH_COMPILE = 1  # plain torch.compile with `backend`
+    DYNAMO_TRACE_ONCE = 2  # one Dynamo trace, no guards re-evaluated, torch's own backend
+    VLLM_COMPILE = 3  # our backend: passes, split at attention, per-piece Inductor, cache
+
+    @classmethod
+    def parse(cls, value: Any) -> CompilationMode:
+        """Accept the enum, an int 0..3, a digit string or a name in any case."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, bool):
+            raise ValueError(f"Invalid compilation mode: {value!r}. {cls._valid()}")
+        if isinstance(value, int):
+            try:
+                return cls(value)
+            except ValueError:
+                raise ValueError(f"Invalid compilation mode: {value}. {cls._valid()}") from None
+        if isinstance(value, str):
+            text = value.strip()
+            if text.isdigit():
+                return cls.parse(int(text))
+            try:
+                return cls[text.upper()]
+            except KeyError:
+                raise ValueError(f"Invalid compilation mode: {value!r}. {cls._valid()}") from None
+        raise ValueError(f"Invalid compilation mode: {value!r}. {cls._valid()}")
+
+    @classmethod
+    def _valid(cls) -> str:
+        return "Valid modes are: " + ", ".join(f"{m.name} ({m.value})" for m in cls)
+
+
+class CUDAGraphMode(enum.Enum):
+    """What is captured as CUDA graphs. Tuple values are (decode mode, mixed-batch mode)."""
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
+
+    @classmethod
+    def parse(cls, value: Any) -> CUDAGraphMode:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                pass
+        names = ", ".join(m.name for m in cls)
+        raise ValueError(f"Invalid cudagraph_mode: {value!r}. Valid modes are: {names}")
+
+    def decode_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
+
+    def separate_routine(self) -> bool:
+        return isinstance(self.value, tuple)
+
+    def has_mode(self, mode: CUDAGraphMode) -> bool:
+        assert not mode.separate_routine()
+        if self.separate_routine():
+            return mode.value in self.value
+        return self == mode
+
+    def requires_piecewise_compilation(self) -> bool:
+        return self.has_mode(CUDAGraphMode.PIECEWISE)
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.has_mode(CUDAGraphMode.FULL)
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        return self.requires_piecewise_compilation()
+
+    def max_cudagraph_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(max(self.value)) if self.separate_routine() else self
+
+    def without_piecewise(self) -> CUDAGraphMode:
+        """PIECEWISE -> NONE, FULL_AND_PIECEWISE -> FULL_DECODE_ONLY, others unchanged."""
+        if self == CUDAGraphMode.PIECEWISE:
+            return CUDAGraphMode.NONE
+        if self == CUDAGraphMode.FULL_AND_PIECEWISE:
+            return CUDAGraphMode.FULL_DECODE_ONLY
+        return self
+
+    @staticmethod
+    def valid_runtime_modes() -> frozenset[CUDAGraphMode]:
+        return frozenset({CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL})
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __bool__(self) -> bool:
+        return self != CUDAGraphMode.NONE
+
+
+@dataclass
+class PassConfig:
+    """Which graph passes run inside our backend (VLLM_COMPILE only). `None` = level decides."""
+
+    eliminate_noops: bool | None = None
+    """Remove reshapes/views/slices that do nothing (they hide fusion patterns)."""
+    fuse_norm_quant: bool | None = None
+    """RMSNorm (+ residual add) followed by FP8 quantization -> one fused op."""
+    fuse_act_quant: bool | None = None
+    """SiluAndMul followed by FP8 quantization -> one fused op."""
+    fuse_attn_quant: bool | None = None
+    """Attention output followed by static FP8 quantization -> attention writing FP8."""
+    fuse_allreduce_rms: bool | None = None
+    """Tensor-parallel all-reduce followed by RMSNorm -> one fused collective."""
+
+    def __post_init__(self) -> None:
+        for name in ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant",
+                     "fuse_allreduce_rms"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(
+                    f"pass_config.{name} must be true or false, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "pass_config") -> PassConfig:
+        return config_from_dict(cls, data, path)
+
+    def enabled_passes(self) -> list[str]:
+        """Names of the switched-on passes, in the order the pass manager runs them."""
+        order = ["eliminate_noops", "fuse_allreduce_rms", "fuse_norm_quant", "fuse_act_quant",
+                 "fuse_attn_quant"]
+        return [name for name in order if getattr(self, name)]
+
+    def compute_hash(self) -> str:
+        return hash_fields(self, exclude=())
+
+
+@dataclass
+class CompilationConfig:
+    """How the model is compiled and captured. Leaves that are `None` are filled by the level."""
+
+    mode: CompilationMode | None = None
+    """NONE / STOCK_TORCH_COMPILE / DYNAMO_TRACE_ONCE / VLLM_COMPILE (an int 0..3 or a name)."""
+    backend: str = ""
+    """Compiler for the pieces: "inductor" or "eager" ("" = the platform's default)."""
+    custom_ops: list[str] = field(default_factory=list)
+    """Per-op kernel choice: "all", "none", "+name", "-name"."""
+    splitting_ops: list[str] | None = None
+    """Ops the graph is split at for piecewise compilation (default: the attention op)."""
+    use_inductor_graph_partition: bool | None = None
+    """Let Inductor partition around the splitting ops instead of splitting in Dynamo's graph."""
+    compile_sizes: list[int | str] | None = None
+    """Token counts that get an extra static-shape compile ("cudagraph_capture_sizes" expands)."""
+    compile_ranges_endpoints: list[int] | None = None
+    """Extra split points of the dynamic compile range [1, max_num_batched_tokens]."""
+    inductor_compile_config: dict = field(default_factory=dict)
+    """Options passed to Inductor as they are."""
+    freezing: bool | None = None
+    """Inductor freezing: weights become constants, prepacked for the CPU GEMM kernels."""
+    max_autotune: bool | None = None
+    """Inductor max-autotune (benchmarks GEMM templates at compile time)."""
+    coordinate_descent_tuning: bool | None = None
+    """Inductor coordinate-descent tuning of generated kernels' launch parameters."""
+    cudagraph_mode: CUDAGraphMode | None = None
+    """NONE / PIECEWISE / FULL / FULL_DECODE_ONLY / FULL_AND_PIECEWISE."""
+    cudagraph_num_of_warmups: int = 0
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    pass_config: PassConfig = field(default_factory=PassConfig)
+    cache_dir: str = ""
+    """Compile cache directory ("" = derived from VLLM_CACHE_ROOT and the config hash)."""
+    debug_dump_path: str | None = None
+    """Write graphs, pieces and the resolved config here for debugging."""
+
+    def __post_init__(self) -> None:
+        if self.mode is not None:
+            self.mode = CompilationMode.parse(self.mode)
+        if self.cudagraph_mode is not None:
+            self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+        if isinstance(self.pass_config, dict):
+            self.pass_config = PassConfig.from_dict(self.pass_config)
+        if self.backend not in ("", "inductor", "eager") and self.mode == CompilationMode.VLLM_COMPILE:
+            raise ValueError(
+                f"Invalid backend for piecewise compilation: {self.backend!r}. "
+                "With mode VLLM_COMPILE the backend must be 'inductor' or 'eager'.")
+        self._validate_custom_ops()
+        for name in ("cudagraph_capture_sizes", "compile_ranges_endpoints"):
+            sizes = getattr(self, name)
+            if sizes is not None:
+                bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
+                if bad:
+                    raise ValueError(f"compilation_config.{name} must hold positive integers; "
+                                     f"got {bad[0]!r}")
+        if self.compile_sizes is not None:
+            for s in self.compile_sizes:
+                if isinstance(s, str) and s != "cudagraph_capture_sizes":
+                    raise ValueError(
+                        f"compilation_config.compile_sizes: unknown entry {s!r}; entries are "
+                        "positive integers or the string 'cudagraph_capture_sizes'")
+                if isinstance(s, (int, float)) and (isinstance(s, bool) or s <= 0):
+                    raise ValueError(
+                        f"compilation_config.compile_sizes must hold positive integers; got {s!r}")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 0:
+            raise ValueError("compilation_config.max_cudagraph_capture_size must be >= 0; "
+                             f"got {self.max_cudagraph_capture_size}")
+
+    def _validate_custom_ops(self) -> None:
+        if not isinstance(self.custom_ops, list):
+            raise ValueError(f"compilation_config.custom_ops must be a list, got "
+                             f"{self.custom_ops!r}")
+        for op in self.custom_ops:
+            if op in ("all", "none"):
+                continue
+            if not isinstance(op, str) or len(op) < 2 or op[0] not in "+-":
+                raise ValueError(
+                    f"Invalid syntax '{op}' for custom op, must be 'all', 'none', '+op' or '-op' "
+                    "(where 'op' is the registered op name)")
+        bases = [op for op in self.custom_ops if op in ("all", "none")]
+        if len(set(bases)) > 1:
+            raise ValueError("custom_ops can contain only one base mode: 'all' or 'none'")
+        enabled = {op[1:] for op in self.custom_ops if op.startswith("+")}
+        disabled = {op[1:] for op in self.custom_ops if op.startswith("-")}
+        both = sorted(enabled & disabled)
+        if both:
+            raise ValueError("custom_ops cannot both enable and disable the same operation(s): "
+                             + ", ".join(both))
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "compilation_config") -> CompilationConfig:
+        """Build from a JSON-like dict; unknown keys are an error naming the closest key."""
+        return config_from_dict(cls, data, path, nested={"pass_config": PassConfig})
+
+    def is_custom_op_enabled(self, name: str) -> bool:
+        """Whether the custom kernel of op `name` is used (else its plain-torch form)."""
+        if f"+{name}" in self.custom_ops:
+            return True
+        if f"-{name}" in self.custom_ops:
+            return False
+        bases = [op for op in self.custom_ops if op in ("all", "none")]
+        if len(bases) != 1:
+            raise ValueError(
+                f"custom_ops must hold exactly one base mode ('all' or 'none') once resolved; "
+                f"got {self.custom_ops}")
+        return bases[0] == "all"
+
+    def splitting_ops_or_default(self) -> list[str]:
+        return list(self.splitting_ops or [])
+
+    def compute_hash(self) -> str:
+        """Hash of everything here that changes the compiled graph (not paths or warm-up counts)."""
+        return hash_fields(self, exclude=("cache_dir", "debug_dump_path", "cudagraph_num_of_warmups"))

@@ -1,0 +1,139 @@
+"""The optimization-level presets: one static table of defaults per level (data).
+
+A preset value is either a constant or a `Cond`, a function of the whole `VllmConfig` with a
+one-line description; `VllmConfig.__post_init__` applies the table to unset (`None`) leaves
+only. Keys are dotted paths from the `VllmConfig` root.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+if TYPE_CHECKING:
+    from vllm.config.vllm import VllmConfig
+
+
+class OptimizationLevel(enum.IntEnum):
+    """Start-up time traded for run-time speed."""
+
+    O0 = 0
+    """No compilation, no CUDA graphs, no passes: starts at once."""
+    O1 = 1
+    """Our compile backend (Inductor per piece) and piecewise CUDA graphs: compile fast."""
+    O2 = 2
+    """O1 + full and piecewise CUDA graphs, no-op elimination and fusion passes; CPU: Inductor
+    freezing. The default."""
+    O3 = 3
+    """O2 + Inductor autotuning and per-size compiles for common decode sizes: tune for speed."""
+
+    @classmethod
+    def parse(cls, value: Any) -> OptimizationLevel:
+        """Accept the enum, 0..3, "0".."3" or "O0".."O3"; anything else is a clear error."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
+            return cls(value)
+        if isinstance(value, str):
+            text = value.strip()
+            if text[:1] in ("O", "o") and text[1:].isdigit():
+                text = text[1:]
+            if text in ("0", "1", "2", "3"):
+                return cls(int(text))
+        raise ValueError(f"Invalid optimization level {value!r}: use 0, 1, 2 or 3 "
+                         "(or O0, O1, O2, O3)")
+
+
+@dataclass(frozen=True)
+class Cond:
+    """A preset value computed from the whole config, with what it asks in words."""
+
+    fn: Callable[[VllmConfig], Any]
+    description: str
+
+    def __call__(self, config: VllmConfig) -> Any:
+        return self.fn(config)
+
+
+def _is_fp8(cfg: VllmConfig) -> bool:
+    return cfg.model_config is not None and cfg.model_config.is_fp8
+
+
+def _fp8_static(cfg: VllmConfig) -> bool:
+    return cfg.model_config is not None and cfg.model_config.has_static_activation_scales
+
+
+def _tp_allreduce(cfg: VllmConfig) -> bool:
+    return (cfg.parallel_config.tensor_parallel_size > 1
+            and cfg.platform.supports_allreduce_rms_fusion(cfg))
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    import torch
+
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+IS_FP8 = Cond(_is_fp8, "model is FP8-quantized")
+FP8_STATIC = Cond(_fp8_static, "model is FP8 with static activation scales")
+TP_ALLREDUCE = Cond(_tp_allreduce,
+                    "tensor_parallel_size > 1 and the platform has the fused all-reduce kernel")
+GRAPH_PARTITION = Cond(lambda cfg: cfg.platform.supports_inductor_graph_partition()
+                       and _torch_at_least(2, 9), "torch >= 2.9 on CUDA")
+ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(), "platform is the CPU")
+
+# Token counts that get their own static-shape compile at O3: the common decode batch sizes.
+O3_COMPILE_SIZES = [1, 2, 4, 8, 16]
+
+_CC = "compilation_config"
+_PC = "compilation_config.pass_config"
+
+_O0 = {
+    f"{_CC}.mode": CompilationMode.NONE,
+    f"{_CC}.cudagraph_mode": CUDAGraphMode.NONE,
+    f"{_CC}.use_inductor_graph_partition": False,
+    f"{_CC}.freezing": False,
+    f"{_CC}.max_autotune": False,
+    f"{_CC}.coordinate_descent_tuning": False,
+    f"{_CC}.compile_sizes": [],
+    f"{_PC}.eliminate_noops": False,
+    f"{_PC}.fuse_norm_quant": False,
+    f"{_PC}.fuse_act_quant": False,
+    f"{_PC}.fuse_attn_quant": False,
+    f"{_PC}.fuse_allreduce_rms": False,
+}
+_O1 = {
+    **_O0,
+    f"{_CC}.mode": CompilationMode.VLLM_COMPILE,
+    f"{_CC}.cudagraph_mode": CUDAGraphMode.PIECEWISE,
+    f"{_PC}.eliminate_noops": True,
+    f"{_PC}.fuse_norm_quant": IS_FP8,
+    f"{_PC}.fuse_act_quant": IS_FP8,
+}
+_O2 = {
+    **_O1,
+    f"{_CC}.cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
+    f"{_CC}.use_inductor_graph_partition": GRAPH_PARTITION,
+    f"{_CC}.freezing": ON_CPU,
+    f"{_PC}.fuse_attn_quant": FP8_STATIC,
+    f"{_PC}.fuse_allreduce_rms": TP_ALLREDUCE,
+}
+_O3 = {
+    **_O2,
+    f"{_CC}.max_autotune": True,
+    f"{_CC}.coordinate_descent_tuning": True,
+    f"{_CC}.compile_sizes": O3_COMPILE_SIZES,
+}
+
+OPTIMIZATION_LEVEL_TO_CONFIG: dict[OptimizationLevel, dict[str, Any]] = {
+    OptimizationLevel.O0: _O0,
+    OptimizationLevel.O1: _O1,
+    OptimizationLevel.O2: _O2,
+    OptimizationLevel.O3: _O3,
+}
+
+LEVEL_CONTROLLED_FIELDS: tuple[str, ...] = tuple(_O0)

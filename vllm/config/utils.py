@@ -1,0 +1,87 @@
+"""Helpers shared by the config dataclasses: building from dicts, hashing, human-readable sizes."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import hashlib
+import json
+import re
+from typing import Any
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_human_size(value: Any, what: str = "size") -> int:
+    """Parse 4GiB, 512MB, 80m, 2k, 1024 into an integer count (bytes or items)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a number like 4GiB or 1024, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(
+            f"{what}: cannot parse {value!r}; use a number with an optional unit "
+            "(k, M, G, KiB, MiB, GiB, e.g. 4GiB)")
+    number = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    return int(number)
+
+
+def closest_key(key: str, valid: list[str]) -> str:
+    """A 'did you mean' hint, or a list of the valid keys when nothing is close."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return "valid keys: " + ", ".join(sorted(valid))
+
+
+def config_from_dict(cls: type, data: dict, path: str, nested: dict[str, type] | None = None):
+    """Build dataclass `cls` from a dict, rejecting unknown keys with the closest valid key."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must be a JSON object, got {data!r}")
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ValueError(f"Unknown key '{path}.{key}': {closest_key(key, names)}")
+        sub = (nested or {}).get(key)
+        if sub is not None and isinstance(value, dict):
+            value = config_from_dict(sub, value, f"{path}.{key}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def to_jsonable(value: Any) -> Any:
+    """A JSON-serialisable view of a config value (enums by name, dataclasses as dicts)."""
+    return _jsonable(value)
+
+
+def hash_fields(obj: Any, exclude: tuple[str, ...] = ()) -> str:
+    """SHA-256 of a dataclass's init fields, except `exclude`, in a stable JSON encoding."""
+    data = {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+            if f.name not in exclude and not f.name.startswith("_")}
+    text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,43 @@
+"""Every VLLM_* environment variable the package reads, in one place, read lazily."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str, default: str = "0") -> bool:
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cache_root() -> str:
+    if "VLLM_CACHE_ROOT" in os.environ:
+        return os.path.expanduser(os.environ["VLLM_CACHE_ROOT"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return str(base / "vllm")
+
+
+_GETTERS = {
+    # Force a platform: "cpu", "cuda" or "rocm" (resolves configs as that platform would).
+    "VLLM_PLATFORM": lambda: os.environ.get("VLLM_PLATFORM", "").strip().lower() or None,
+    "VLLM_CACHE_ROOT": _cache_root,
+    "VLLM_DISABLE_COMPILE_CACHE": lambda: _flag("VLLM_DISABLE_COMPILE_CACHE"),
+    "VLLM_DEBUG_DUMP_PATH": lambda: os.environ.get("VLLM_DEBUG_DUMP_PATH") or None,
+    # KV cache space on the CPU, in GiB (upstream's name and unit).
+    "VLLM_CPU_KVCACHE_SPACE": lambda: (
+        float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else None
+    ),
+    "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
+    "VLLM_LOGGING_LEVEL": lambda: os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+    "TORCH_COMPILE_DISABLE": lambda: _flag("TORCH_COMPILE_DISABLE"),
+}
+
+
+def __getattr__(name: str):
+    if name in _GETTERS:
+        return _GETTERS[name]()
+    raise AttributeError(f"module 'vllm.envs' has no attribute {name!r}")
+
+
+def __dir__():
+    return list(_GETTERS)

@@ -1,0 +1,65 @@
+"""The CPU platform: our whole compile stack runs here, but there are no CUDA graphs."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.platforms.interface import Platform, PlatformEnum
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.config import ModelConfig, VllmConfig
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matrix work runs in hardware (else torch emulates it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return any(flag in flags for flag in (" avx512_bf16", " amx_bf16"))
+
+
+class CpuPlatform(Platform):
+    _enum = PlatformEnum.CPU
+    device_name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    default_max_num_batched_tokens = 2048
+    default_max_num_seqs = 128
+
+    def is_available(self) -> bool:
+        return True
+
+    def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[torch.dtype, str]:
+        import torch
+
+        name = model_config.checkpoint_dtype
+        if name == "float32":
+            return torch.float32, "checkpoint dtype float32"
+        if cpu_has_native_bf16():
+            return getattr(torch, name), f"checkpoint dtype {name}; this CPU has native bf16"
+        # Measured on AVX2 machines without native bf16 (DESIGN.md §3): bf16 halves the bytes
+        # of memory-bound batch-1 decode (~2x) but emulated bf16 matmuls run ~8x slower, so
+        # prefill and batched decode lose far more than batch-1 decode gains.
+        return torch.float32, (
+            f"checkpoint dtype {name}, but this CPU has no native bf16 (emulated bf16 GEMMs are "
+            "~8x slower than fp32); pass --dtype bfloat16 for ~2x faster batch-1 decode")
+
+    def apply_level_defaults(self, vllm_config: VllmConfig) -> None:
+        cc = vllm_config.compilation_config
+        if cc.cudagraph_mode is not None and cc.cudagraph_mode != cc.cudagraph_mode.NONE:
+            vllm_config.platform_set("compilation_config.cudagraph_mode", cc.cudagraph_mode.NONE,
+                                     "the CPU has no CUDA graphs")
+        if cc.use_inductor_graph_partition:
+            vllm_config.platform_set("compilation_config.use_inductor_graph_partition", False,
+                                     "Inductor graph partition is for CUDA graphs only")
+        if cc.pass_config.fuse_allreduce_rms:
+            vllm_config.platform_set("compilation_config.pass_config.fuse_allreduce_rms", False,
+                                     "the fused all-reduce + RMSNorm kernel needs CUDA")
+
+    def check_and_update_config(self, vllm_config: VllmConfig) -> None:
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            # gloo is the only CPU backend; nothing else to adapt.
+            pass

@@ -1,0 +1,97 @@
+"""The Platform interface: what a device can do and which level defaults it owns."""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.config import ModelConfig, VllmConfig
+
+
+class PlatformEnum(enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+    ROCM = "rocm"
+
+
+class Platform:
+    """Base class. Subclasses own their level defaults through `apply_level_defaults`."""
+
+    _enum: PlatformEnum
+    device_name: str = ""
+    device_type: str = ""
+    dist_backend: str = "gloo"
+    simple_compile_backend: str = "inductor"
+    default_max_num_batched_tokens: int = 8192
+    default_max_num_seqs: int = 256
+
+    def __init__(self, forced: bool = False) -> None:
+        self.forced = forced
+        """True when chosen by VLLM_PLATFORM rather than detected."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(forced={self.forced})"
+
+    # ---- identity ----------------------------------------------------------------------
+    def is_cpu(self) -> bool:
+        return self._enum == PlatformEnum.CPU
+
+    def is_cuda(self) -> bool:
+        return self._enum == PlatformEnum.CUDA
+
+    def is_rocm(self) -> bool:
+        return self._enum == PlatformEnum.ROCM
+
+    def is_cuda_alike(self) -> bool:
+        return self._enum in (PlatformEnum.CUDA, PlatformEnum.ROCM)
+
+    # ---- capabilities ------------------------------------------------------------------
+    def is_available(self) -> bool:
+        """Whether the hardware is present in this process."""
+        raise NotImplementedError
+
+    def verify_can_run(self) -> None:
+        """Raise a clear error when a model cannot run here (a forced platform without its
+        hardware may resolve configs but not run models)."""
+        if not self.is_available():
+            raise RuntimeError(
+                f"The platform {self.device_name!r} was forced with VLLM_PLATFORM but its hardware "
+                "is not available in this process: configs can be resolved (vllm config), but "
+                "models cannot run. Unset VLLM_PLATFORM to use the detected platform.")
+
+    def support_static_graph_mode(self) -> bool:
+        """Whether CUDA graphs (or an equivalent) can be captured."""
+        return False
+
+    def supports_allreduce_rms_fusion(self, vllm_config: VllmConfig) -> bool:
+        return False
+
+    def supports_inductor_graph_partition(self) -> bool:
+        return False
+
+    def get_device_capability(self) -> tuple[int, int] | None:
+        return None
+
+    def torch_device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device_type)
+
+    # ---- config hooks ------------------------------------------------------------------
+    def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[torch.dtype, str]:
+        """The compute dtype for dtype="auto", and the reason for the choice."""
+        import torch
+
+        name = model_config.checkpoint_dtype
+        return getattr(torch, name), f"checkpoint dtype {name}"
+
+    def apply_level_defaults(self, vllm_config: VllmConfig) -> None:
+        """Fill or narrow platform-owned fields after the level preset (DESIGN.md §3 step 3).
+
+        Use `vllm_config.platform_set(path, value, reason)`: it changes a value the level or a
+        default gave, and raises a clear error for an explicit user value it cannot honour."""
+
+    def check_and_update_config(self, vllm_config: VllmConfig) -> None:
+        """Last look at the resolved config (after derived rules)."""
