@@ -207,6 +207,10 @@ def save_tokenizer(hf_tok, out_dir: Path) -> None:
     if cfg.get("chat_template") != CHAT_TEMPLATE:
         cfg["chat_template"] = CHAT_TEMPLATE
         changed = True
+    for key in ("is_local", "local_files_only"):  # loader artefacts, not settings
+        if key in cfg:
+            del cfg[key]
+            changed = True
     if cfg.get("tokenizer_class") != "PreTrainedTokenizerFast":
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
         changed = True
@@ -384,7 +388,7 @@ def train(args, model, train_stream: torch.Tensor, heldout_stream: torch.Tensor,
         batch_in_epoch += 1
         tokens_seen += x.numel()
         train_seconds += time.time() - t0
-        loss_acc += float(loss)
+        loss_acc += float(loss.detach())
         loss_n += 1
         window_tokens += x.numel()
         if step % args.log_every == 0:
