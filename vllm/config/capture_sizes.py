@@ -40,4 +40,7 @@ def resolve_capture_sizes(user_sizes: list[int] | None, user_max: int | None, ma
         if extra <= max_size and extra not in sizes:
             sizes.append(extra)
     sizes.sort()
+    if user_max is not None and sizes[-1] != user_max:
+        reason = (f"max_cudagraph_capture_size={user_max} truncated to {sizes[-1]}, the largest "
+                  "capture size not above it")
     return sizes, sizes[-1], reason

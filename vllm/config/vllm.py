@@ -255,9 +255,11 @@ class VllmConfig:
             cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, sc.max_num_seqs,
             sc.max_num_batched_tokens)
         for path, value in ((sizes_path, sizes), (max_path, max_size)):
-            if not self._is_user(path) or self.get_path(path) != value:
-                source = "user" if self._is_user(path) else "derived: capture sizes"
-                self._set(path, value, Provenance(source, reason))
+            if self._is_user(path) and self.get_path(path) != value:
+                logger.warning("%s: %s", path, reason)
+                self._set(path, value, Provenance("derived: adjusted user value", reason))
+            elif not self._is_user(path):
+                self._set(path, value, Provenance("derived: capture sizes", reason))
 
     def _set_compile_sizes(self) -> None:
         cc = self.compilation_config

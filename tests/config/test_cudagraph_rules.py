@@ -1,0 +1,137 @@
+"""CUDA-graph mode resolution and capture sizes (DESIGN.md §3; upstream-levels.md §5)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.config import model_configs
+from vllm.config import CompilationMode, CUDAGraphMode, SchedulerConfig, VllmConfig
+
+cuda = pytest.mark.parametrize("platform", ["cuda"], indirect=True)
+cpu = pytest.mark.parametrize("platform", ["cpu"], indirect=True)
+
+
+def test_mode_helpers():
+    m = CUDAGraphMode
+    assert m.FULL_AND_PIECEWISE.decode_mode() == m.FULL
+    assert m.FULL_AND_PIECEWISE.mixed_mode() == m.PIECEWISE
+    assert m.FULL_DECODE_ONLY.mixed_mode() == m.NONE
+    assert m.PIECEWISE.without_piecewise() == m.NONE
+    assert m.FULL_AND_PIECEWISE.without_piecewise() == m.FULL_DECODE_ONLY
+    assert m.FULL.requires_piecewise_compilation() is False
+    assert m.FULL_AND_PIECEWISE.has_full_cudagraphs() and not m.PIECEWISE.has_full_cudagraphs()
+    assert not m.NONE and m.FULL
+    assert str(m.FULL_DECODE_ONLY) == "FULL_DECODE_ONLY"
+    assert m.parse("full_and_piecewise") == m.FULL_AND_PIECEWISE
+    with pytest.raises(ValueError, match="Valid modes are: NONE, PIECEWISE"):
+        m.parse("fast")
+
+
+@cuda
+@pytest.mark.parametrize("level,stock,expected", [
+    (1, CompilationMode.STOCK_TORCH_COMPILE, CUDAGraphMode.NONE),
+    (2, CompilationMode.STOCK_TORCH_COMPILE, CUDAGraphMode.FULL_DECODE_ONLY),
+    (2, CompilationMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY),
+])
+def test_piecewise_needs_vllm_compile(level, stock, expected, platform, caplog):
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        config = VllmConfig(model_config=model_configs.dense(), optimization_level=level,
+                            compilation_config={"mode": stock})
+    assert config.compilation_config.cudagraph_mode == expected
+    prov = config.provenance["compilation_config.cudagraph_mode"]
+    assert prov.source.startswith("derived: downgrade") and "VLLM_COMPILE" in prov.reason
+    assert "CUDA graph mode" in caplog.text
+
+
+@cuda
+@pytest.mark.parametrize("level,expected", [(1, CUDAGraphMode.NONE), (2, CUDAGraphMode.FULL)])
+def test_empty_splitting_ops_downgrade(level, expected, platform):
+    config = VllmConfig(model_config=model_configs.dense(), optimization_level=level,
+                        compilation_config={"splitting_ops": [],
+                                            "use_inductor_graph_partition": False})
+    assert config.compilation_config.cudagraph_mode == expected
+    assert "splitting_ops is empty" in config.provenance[
+        "compilation_config.cudagraph_mode"].reason
+
+
+@cuda
+def test_explicit_piecewise_that_cannot_be_honoured_is_error(platform):
+    with pytest.raises(ValueError, match="cudagraph_mode=PIECEWISE cannot be honoured"):
+        VllmConfig(model_config=model_configs.dense(),
+                   compilation_config={"cudagraph_mode": "PIECEWISE", "splitting_ops": [],
+                                       "use_inductor_graph_partition": False})
+    with pytest.raises(ValueError, match="VLLM_COMPILE"):
+        VllmConfig(model_config=model_configs.dense(), optimization_level=0,
+                   compilation_config={"cudagraph_mode": "PIECEWISE"})
+
+
+@cpu
+def test_cpu_has_no_graphs_and_refuses_explicit_ones(platform):
+    config = VllmConfig(model_config=model_configs.dense(), optimization_level=2)
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert config.compilation_config.cudagraph_capture_sizes == []
+    with pytest.raises(ValueError, match="cudagraph_mode=FULL cannot be honoured on the cpu"):
+        VllmConfig(model_config=model_configs.dense(), compilation_config={"cudagraph_mode": "FULL"})
+    with pytest.raises(ValueError, match="use_inductor_graph_partition"):
+        VllmConfig(compilation_config={"use_inductor_graph_partition": True})
+
+
+@cuda
+def test_attn_fusion_needs_attention_inside_the_graph(platform):
+    config = VllmConfig(model_config=model_configs.fp8(), optimization_level=2,
+                        compilation_config={"use_inductor_graph_partition": False})
+    cc = config.compilation_config
+    assert cc.pass_config.fuse_attn_quant is True
+    assert cc.splitting_ops == [] and cc.cudagraph_mode == CUDAGraphMode.FULL
+    with pytest.raises(ValueError, match="fuse_attn_quant"):
+        VllmConfig(model_config=model_configs.fp8(), optimization_level=2,
+                   compilation_config={"use_inductor_graph_partition": False,
+                                       "splitting_ops": ["vllm::unified_attention_with_output"]})
+    # With Inductor graph partition the attention op stays a split point and piecewise stays.
+    part = VllmConfig(model_config=model_configs.fp8(), optimization_level=2).compilation_config
+    assert part.use_inductor_graph_partition and part.cudagraph_mode.has_piecewise_cudagraphs()
+
+
+@cuda
+@pytest.mark.parametrize("max_num_seqs,sizes,max_size,expected_max", [
+    (128, None, None, 256),
+    (256, None, None, 512),
+    (1, None, None, 2),
+    (128, None, 257, 256),
+    (128, [1, 2, 100, 100, 4], None, 100),
+    (128, [1, 2, 100], 100, 100),
+])
+def test_capture_sizes(max_num_seqs, sizes, max_size, expected_max, platform):
+    cc = {}
+    if sizes is not None:
+        cc["cudagraph_capture_sizes"] = sizes
+    if max_size is not None:
+        cc["max_cudagraph_capture_size"] = max_size
+    config = VllmConfig(model_config=model_configs.dense(), compilation_config=cc,
+                        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs))
+    result = config.compilation_config
+    assert result.max_cudagraph_capture_size == expected_max
+    assert result.cudagraph_capture_sizes[-1] == expected_max
+    assert result.cudagraph_capture_sizes == sorted(set(result.cudagraph_capture_sizes))
+    if sizes is None:
+        assert max_num_seqs in result.cudagraph_capture_sizes
+    if max_size is not None and max_size != expected_max:
+        prov = config.provenance["compilation_config.max_cudagraph_capture_size"]
+        assert "truncated" in prov.reason
+
+
+@cuda
+def test_inconsistent_capture_sizes_error(platform):
+    with pytest.raises(ValueError, match="should be consistent"):
+        VllmConfig(model_config=model_configs.dense(),
+                   compilation_config={"cudagraph_capture_sizes": [1, 2, 4],
+                                       "max_cudagraph_capture_size": 8})
+
+
+@cuda
+def test_compile_sizes_expand_capture_sizes(platform):
+    config = VllmConfig(model_config=model_configs.dense(),
+                        compilation_config={"compile_sizes": ["cudagraph_capture_sizes", 3],
+                                            "cudagraph_capture_sizes": [1, 2, 4]})
+    assert config.compilation_config.compile_sizes == [1, 2, 3, 4]

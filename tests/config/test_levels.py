@@ -1,0 +1,126 @@
+"""Every level x {no model, dense, FP8, MoE} x {cpu, cuda (simulated)} resolves to the level
+table of DESIGN.md §3, with the right provenance. The expected values are written out here
+independently of vllm/config/levels.py."""
+from __future__ import annotations
+
+import pytest
+
+from tests.config import model_configs
+from vllm.config import CompilationMode, CUDAGraphMode, OptimizationLevel, VllmConfig
+from vllm.config.capture_sizes import default_capture_sizes
+from vllm.config.vllm import ATTENTION_OPS
+
+LEVELS = [0, 1, 2, 3]
+MODELS = ["none", "dense", "fp8", "moe"]
+PLATFORMS = ["cpu", "cuda"]
+
+
+def expected(level: int, model: str, platform: str) -> dict:
+    fp8 = model == "fp8"  # the fp8 helper uses static activation scales
+    cuda = platform == "cuda"
+    graphs = {0: CUDAGraphMode.NONE, 1: CUDAGraphMode.PIECEWISE,
+              2: CUDAGraphMode.FULL_AND_PIECEWISE, 3: CUDAGraphMode.FULL_AND_PIECEWISE}[level]
+    partition = cuda and level >= 2
+    attn_fusion = fp8 and level >= 2
+    if level == 0:
+        splitting = []
+    elif attn_fusion and not partition:
+        splitting = []
+    else:
+        splitting = ATTENTION_OPS
+    return {
+        "compilation_config.mode": CompilationMode.NONE if level == 0
+        else CompilationMode.VLLM_COMPILE,
+        "compilation_config.cudagraph_mode": graphs if cuda else CUDAGraphMode.NONE,
+        "compilation_config.use_inductor_graph_partition": partition,
+        "compilation_config.freezing": level >= 2 and not cuda,
+        "compilation_config.max_autotune": level == 3,
+        "compilation_config.coordinate_descent_tuning": level == 3,
+        "compilation_config.compile_sizes": [1, 2, 4, 8, 16] if level == 3 else [],
+        "compilation_config.pass_config.eliminate_noops": level >= 1,
+        "compilation_config.pass_config.fuse_norm_quant": fp8 and level >= 1,
+        "compilation_config.pass_config.fuse_act_quant": fp8 and level >= 1,
+        "compilation_config.pass_config.fuse_attn_quant": attn_fusion,
+        "compilation_config.pass_config.fuse_allreduce_rms": False,
+        "compilation_config.splitting_ops": splitting,
+        "compilation_config.custom_ops": ["all"] if level == 0 else ["none"],
+    }
+
+
+@pytest.mark.parametrize("platform", PLATFORMS, indirect=True)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("level", LEVELS)
+def test_level_table(level, model, platform):
+    config = VllmConfig(model_config=model_configs.MODELS[model](), optimization_level=level)
+    assert config.optimization_level == OptimizationLevel(level)
+    for path, value in expected(level, model, platform.device_name).items():
+        assert config.get_path(path) == value, path
+    # Provenance: the level filled every leaf of its table, except what the CPU narrows.
+    for path in expected(level, model, platform.device_name):
+        if path in ("compilation_config.splitting_ops", "compilation_config.custom_ops"):
+            continue
+        source = config.provenance[path].source
+        if path == "compilation_config.cudagraph_mode" and platform.is_cpu() and level >= 1:
+            assert source == "platform cpu"
+        else:
+            assert source == f"level O{level}", path
+
+
+@pytest.mark.parametrize("platform", ["cuda"], indirect=True)
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_cuda_capture_sizes(level, platform):
+    config = VllmConfig(model_config=model_configs.dense(), optimization_level=level)
+    cc = config.compilation_config
+    # max = min(2 x max_num_seqs (256), 512, max_num_batched_tokens (8192)) = 512
+    assert cc.max_cudagraph_capture_size == 512
+    assert cc.cudagraph_capture_sizes[:5] == [1, 2, 4, 8, 16]
+    assert cc.cudagraph_capture_sizes == default_capture_sizes(512)
+    assert 256 in cc.cudagraph_capture_sizes and 264 not in cc.cudagraph_capture_sizes
+
+
+@pytest.mark.parametrize("platform", PLATFORMS, indirect=True)
+def test_level_not_in_hash(platform):
+    """The level itself is not part of the hash; only what it resolves to."""
+    model = model_configs.dense()
+    by_level = {lvl: VllmConfig(model_config=model, optimization_level=lvl).compute_hash()
+                for lvl in LEVELS}
+    assert len(set(by_level.values())) == 4  # four different resolved configs
+    explicit_o0 = VllmConfig(model_config=model, optimization_level=2,
+                             compilation_config={"mode": 0, "cudagraph_mode": "NONE",
+                                                 "pass_config": {"eliminate_noops": False},
+                                                 "freezing": False,
+                                                 "use_inductor_graph_partition": False})
+    assert explicit_o0.compute_hash() == by_level[0]
+
+
+def test_default_level_is_o2():
+    config = VllmConfig()
+    assert config.optimization_level == OptimizationLevel.O2
+    assert config.provenance["optimization_level"].source == "default"
+
+
+@pytest.mark.parametrize("spelling", [2, "2", "O2", "o2", OptimizationLevel.O2])
+def test_level_spellings(spelling):
+    assert VllmConfig(optimization_level=spelling).optimization_level == OptimizationLevel.O2
+
+
+@pytest.mark.parametrize("bad", [4, -1, "fast", "O5", "", 2.5, True])
+def test_bad_level_is_clear_error(bad):
+    with pytest.raises(ValueError, match="optimization level"):
+        VllmConfig(optimization_level=bad)
+
+
+def test_summary_line_names_level_mode_graphs_passes():
+    line = VllmConfig(model_config=model_configs.fp8(), optimization_level=1).summary_line()
+    assert "O1" in line and "VLLM_COMPILE" in line and "CUDA graphs NONE" in line
+    assert "fuse_norm_quant" in line and "fuse_act_quant" in line and "eliminate_noops" in line
+
+
+def test_explain_has_a_row_per_level_field_with_reason():
+    config = VllmConfig(model_config=model_configs.moe(), optimization_level=1)
+    rows = {path: prov for path, _, prov in config.explain()}
+    assert rows["compilation_config.pass_config.fuse_norm_quant"].reason == (
+        "model is FP8-quantized: no")
+    assert rows["model_config.dtype"].source == f"platform {config.platform.device_name}"
+    text = config.explain_text()
+    assert "level O1" in text and "source" in text.splitlines()[0]

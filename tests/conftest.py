@@ -1,0 +1,34 @@
+"""Shared fixtures: every test starts with the detected platform and no forced env."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests must never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_platform(monkeypatch):
+    """Forget the cached platform before and after each test (tests may force VLLM_PLATFORM)."""
+    from vllm.platforms import reset_current_platform
+
+    monkeypatch.delenv("VLLM_PLATFORM", raising=False)
+    monkeypatch.delenv("VLLM_DEBUG_DUMP_PATH", raising=False)
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    reset_current_platform()
+    yield
+    reset_current_platform()
+
+
+@pytest.fixture
+def platform(monkeypatch, request):
+    """Force a platform by name: use with `@pytest.mark.parametrize("platform", [...],
+    indirect=True)`."""
+    from vllm.platforms import get_current_platform, reset_current_platform
+
+    monkeypatch.setenv("VLLM_PLATFORM", request.param)
+    reset_current_platform()
+    return get_current_platform()
