@@ -1,0 +1,237 @@
+"""`EngineArgs`: the engine's settings as one flat dataclass, and their command-line form.
+
+`EngineArgs.add_cli_args(parser)` registers every field as a dashed flag (`--max-num-seqs`),
+`EngineArgs.from_cli_args(args)` reads them back, and `create_engine_config()` builds the
+typed configs and the resolved `VllmConfig`. `None` means "unset": the optimization level,
+the platform or derived rules decide (DESIGN.md §3), so only what the user gave is recorded
+as a `user` value.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from vllm.config import (
+    CacheConfig,
+    CompilationConfig,
+    ModelConfig,
+    OptimizationLevel,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.argparse_utils import (
+    human_int,
+    json_dict_type,
+    non_negative_int,
+    parse_json_object,
+    positive_int,
+)
+
+__all__ = ["EngineArgs"]
+
+# Top-level flags that are also fields of -cc; giving both is ambiguous.
+_CC_MIRRORED = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
+def _optimization_level(text: str) -> OptimizationLevel:
+    try:
+        return OptimizationLevel.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _validate_compilation_config(data: dict) -> None:
+    CompilationConfig.from_dict(copy.deepcopy(data))
+
+
+@dataclass
+class EngineArgs:
+    """Every engine setting, flat, with upstream's names. `None` = unset (resolved later)."""
+
+    model: str = "demo"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    optimization_level: OptimizationLevel | int | str | None = None
+    compilation_config: dict | CompilationConfig | str | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    disable_log_stats: bool = False
+
+    # ---- command line ---------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Register the engine flags on `parser` (dashed spellings, upstream's names); the
+        defaults equal the dataclass defaults. Returns `parser`."""
+        d = EngineArgs
+        model = parser.add_argument_group("model")
+        model.add_argument("--model", type=str, default=d.model,
+                           help="Local Hugging Face model folder, or 'demo' for the built-in "
+                           "demo model. Default: %(default)s.")
+        model.add_argument("--tokenizer", type=str, default=d.tokenizer,
+                           help="Tokenizer folder (default: the model folder).")
+        model.add_argument("--dtype", type=str, default=d.dtype,
+                           help="auto, float32, bfloat16 or float16 (aliases: float, half, "
+                           "bf16, fp16). 'auto' lets the platform choose. Default: auto.")
+        model.add_argument("--max-model-len", type=positive_int, default=d.max_model_len,
+                           help="Prompt + output tokens per sequence (e.g. 2048 or 2k); "
+                           "default: the model's max_position_embeddings.")
+        model.add_argument("--seed", type=int, default=d.seed, help="Random seed.")
+        model.add_argument("--served-model-name", type=str, default=d.served_model_name,
+                           help="Model name in the API (default: --model).")
+        model.add_argument("--trust-remote-code", action="store_true",
+                           help="Allow the model folder's own Python code.")
+
+        opt = parser.add_argument_group("optimization")
+        opt.add_argument("--optimization-level", type=_optimization_level,
+                         default=d.optimization_level, metavar="{0,1,2,3}",
+                         help="-O0 no compilation or CUDA graphs (fastest start-up); -O1 "
+                         "compile fast, piecewise CUDA graphs; -O2 (default) full and piecewise "
+                         "CUDA graphs, fusion passes; -O3 autotuning. Also -O2, -O 2, -O=2.")
+        opt.add_argument("--enforce-eager", action="store_true",
+                         help="Deprecated: the same as -O0.")
+        opt.add_argument("-cc", "--compilation-config", default=d.compilation_config,
+                         type=json_dict_type("--compilation-config",
+                                             _validate_compilation_config),
+                         help="CompilationConfig as JSON ('{\"mode\": 3}'), or one key at a "
+                         "time: -cc.mode=3, -cc.pass_config.fuse_norm_quant=false, "
+                         "-cc.custom_ops+=+rms_norm,-quant_fp8 (appends to the list).")
+        opt.add_argument("--cudagraph-capture-sizes", type=positive_int, nargs="+",
+                         default=d.cudagraph_capture_sizes, metavar="N",
+                         help="Batch sizes captured as CUDA graphs (exclusive with -cc's "
+                         "cudagraph_capture_sizes).")
+        opt.add_argument("--max-cudagraph-capture-size", type=non_negative_int,
+                         default=d.max_cudagraph_capture_size,
+                         help="Largest CUDA-graph batch size (exclusive with -cc's "
+                         "max_cudagraph_capture_size).")
+
+        cache = parser.add_argument_group("KV cache")
+        cache.add_argument("--block-size", type=positive_int, default=d.block_size,
+                           help="Tokens per KV cache block. Default: %(default)s.")
+        cache.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=d.kv_cache_memory,
+                           help="CPU: bytes for the KV cache, human readable (4GiB, 512MiB). "
+                           "Default: VLLM_CPU_KVCACHE_SPACE (GiB) or the platform default.")
+        cache.add_argument("--gpu-memory-utilization", type=float,
+                           default=d.gpu_memory_utilization,
+                           help="CUDA: fraction of device memory to use. Default: %(default)s.")
+        cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                           default=d.enable_prefix_caching,
+                           help="Reuse the KV blocks of shared prompt prefixes.")
+        cache.add_argument("--num-gpu-blocks-override", type=positive_int,
+                           default=d.num_gpu_blocks_override,
+                           help="Use exactly this many KV blocks (tests, debugging).")
+
+        sched = parser.add_argument_group("scheduler and parallelism")
+        sched.add_argument("--max-num-batched-tokens", type=positive_int,
+                           default=d.max_num_batched_tokens,
+                           help="Tokens per engine step (default: platform's).")
+        sched.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs,
+                           help="Sequences running at once (default: platform's).")
+        sched.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                           default=d.enable_chunked_prefill,
+                           help="Split long prompts across steps.")
+        sched.add_argument("-tp", "--tensor-parallel-size", type=positive_int,
+                           default=d.tensor_parallel_size, help="Tensor-parallel ranks.")
+        sched.add_argument("--distributed-executor-backend", choices=["uni", "mp"],
+                           default=d.distributed_executor_backend,
+                           help="uni: one process; mp: one process per rank.")
+        sched.add_argument("--disable-log-stats", action="store_true",
+                           help="Do not log engine statistics.")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Build from a parsed namespace (attributes named like the fields)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+    # ---- configs --------------------------------------------------------------------------
+    def create_compilation_config(self) -> CompilationConfig:
+        """The user's CompilationConfig (a copy: resolution never mutates the caller's object),
+        with --cudagraph-capture-sizes / --max-cudagraph-capture-size folded in.
+        Raises ValueError for bad JSON, unknown keys, or a flag given twice (top level and -cc)."""
+        cc = self.compilation_config
+        if isinstance(cc, str):
+            cc = parse_json_object(cc, "compilation_config")
+        top = {name: getattr(self, name) for name in _CC_MIRRORED
+               if getattr(self, name) is not None}
+        if cc is None or isinstance(cc, dict):
+            data = copy.deepcopy(cc or {})
+            in_cc = {name for name in top if data.get(name) is not None}
+        elif isinstance(cc, CompilationConfig):
+            data = None
+            in_cc = {name for name in top if getattr(cc, name) is not None}
+        else:
+            raise ValueError("compilation_config must be a dict, a JSON string or a "
+                             f"CompilationConfig, got {type(cc).__name__}")
+        if in_cc:
+            name = sorted(in_cc)[0]
+            raise ValueError(f"--{name.replace('_', '-')} and compilation_config.{name} "
+                             "(-cc) are mutually exclusive; give it only once")
+        if data is not None:
+            data.update(copy.deepcopy(top))
+            return CompilationConfig.from_dict(data)
+        # dataclasses.replace re-runs the validation in __post_init__ on a deep copy.
+        return dataclasses.replace(copy.deepcopy(cc), **copy.deepcopy(top))
+
+    def create_engine_config(self) -> VllmConfig:
+        """Build ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, CompilationConfig
+        and the resolved VllmConfig. Raises ValueError with a clear message on bad input."""
+        model_config = ModelConfig(
+            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+            max_model_len=self.max_model_len, seed=self.seed,
+            served_model_name=self.served_model_name,
+            trust_remote_code=self.trust_remote_code, enforce_eager=self.enforce_eager)
+        cache_config = CacheConfig(
+            block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory=self._kv_cache_memory(),
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend)
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            enable_chunked_prefill=self.enable_chunked_prefill)
+        return VllmConfig(
+            model_config=model_config, cache_config=cache_config,
+            parallel_config=parallel_config, scheduler_config=scheduler_config,
+            compilation_config=self.create_compilation_config(),
+            optimization_level=self.optimization_level)
+
+    def _kv_cache_memory(self) -> int | str | None:
+        """--kv-cache-memory, else VLLM_CPU_KVCACHE_SPACE (GiB), else None (platform default)."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        from vllm import envs
+
+        try:
+            gib = envs.VLLM_CPU_KVCACHE_SPACE
+        except ValueError:
+            raise ValueError("VLLM_CPU_KVCACHE_SPACE must be a number of GiB, e.g. 4") from None
+        return None if gib is None else int(gib * 1024**3)
+
+
+def _kv_cache_memory(text: str) -> int:
+    value = human_int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size such as 4GiB, got {text!r}")
+    return value
+

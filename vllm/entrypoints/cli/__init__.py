@@ -1,0 +1,1 @@
+"""The `vllm` command line: one module per subcommand, registered in `main.SUBCOMMANDS`."""

@@ -1,0 +1,1 @@
+"""Small helpers shared across the package (argument parsing lives in `argparse_utils`)."""

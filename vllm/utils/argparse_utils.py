@@ -1,0 +1,278 @@
+"""`FlexibleArgumentParser`: argparse with vLLM's command-line spellings.
+
+`FlexibleArgumentParser.parse_args` rewrites argv before argparse sees it:
+
+* `--long_option` -> `--long-option`: underscores between `--` and the first `.` or `=`
+  become dashes (`--optimization_level=1` works).
+* `-O<x>` / `-O=<x>` -> `--optimization-level <x>` (any suffix; the option's type validates
+  it), `-O <n>` -> `--optimization-level <n>` only when `<n>` is exactly 0, 1, 2 or 3;
+  otherwise `-O` is left alone and argparse rejects it.
+* Dotted keys of dict-valued options (those whose `type` comes from `json_dict_type`):
+  `-cc.pass_config.fuse_norm_quant=false`, `-cc.mode 3`, `--compilation-config.backend=eager`.
+  The value is JSON-decoded when possible, else kept as a string. A key ending in `+`
+  (`-cc.custom_ops+=+rms_norm,-quant_fp8`) splits the value on commas into a list, and
+  repeated `+` keys concatenate. All dotted tokens of one option merge into one nested dict,
+  appended at the END of argv as `--option <json>`, so it replaces an earlier full JSON value.
+* Repeated options (and repeated dotted scalar keys): the last one wins, and one warning
+  "Found duplicate keys ..." names them.
+
+Errors are one line, `<prog>: error: <message>`, exit code 2, without the usage block.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from vllm.config.utils import parse_human_size
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+__all__ = ["FlexibleArgumentParser", "human_int", "json_dict_type", "non_negative_int",
+           "positive_int"]
+
+_LEVEL_OPTION = "--optimization-level"
+_LEVEL_DIGITS = ("0", "1", "2", "3")
+
+
+# ---- argparse `type=` helpers (their errors name the bad value and what is allowed) -------
+def _to_int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        pass
+    try:
+        return parse_human_size(text, "value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid integer {text!r}: use a whole number such as 16 (k/M/G suffixes allowed)"
+        ) from None
+
+
+def human_int(text: str) -> int:
+    """An integer, also written human-readable (`2k`, `1M`, `4GiB`)."""
+    return _to_int(text)
+
+
+def positive_int(text: str) -> int:
+    """An integer > 0 (human-readable suffixes allowed)."""
+    value = _to_int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (human-readable suffixes allowed)."""
+    value = _to_int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def parse_json_object(text: str, what: str) -> dict:
+    """Decode `text` as a JSON object; errors give the JSON error position (line/column/char)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON for {what}: {exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno} (char {exc.pos}) in {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object like '{{\"mode\": 3}}', got {text!r}")
+    return value
+
+
+def json_dict_type(what: str, validate: Callable[[dict], Any] | None = None
+                   ) -> Callable[[str], dict]:
+    """An argparse `type` for a JSON-object option that also accepts dotted keys.
+
+    The returned callable decodes the JSON, runs `validate(dict)` (a ValueError there, such as
+    an unknown key, becomes the argparse error) and returns the plain dict: only the keys the
+    user gave, so later resolution can tell user values from defaults."""
+
+    def convert(text: str) -> dict:
+        try:
+            data = parse_json_object(text, what)
+            if validate is not None:
+                validate(data)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return data
+
+    convert.__name__ = f"{what} JSON"
+    convert.accepts_dotted_keys = True  # type: ignore[attr-defined]
+    return convert
+
+
+# ---- the parser ----------------------------------------------------------------------------
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that accepts vLLM's spellings (see the module docstring)."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(self.preprocess_argv(argv), namespace)
+
+    def error(self, message: str) -> NoReturn:
+        """Print one line `<prog>: error: <message>` on stderr and exit with code 2."""
+        line = " ".join(str(message).split())
+        self.exit(2, f"{self.prog}: error: {line}\n")
+
+    # ---- argv rewriting ------------------------------------------------------------------
+    def preprocess_argv(self, argv: list[str]) -> list[str]:
+        """Rewrite vLLM spellings into plain argparse tokens (the contract is the module
+        docstring). Exits through `error()` on a malformed dotted key."""
+        options = self._option_actions()
+        if "--" in argv:
+            cut = argv.index("--")
+            argv, tail = argv[:cut], argv[cut:]
+        else:
+            tail = []
+        out: list[str] = []
+        dotted: dict[str, dict] = {}
+        duplicates: list[str] = []
+        i = 0
+        while i < len(argv):
+            token = _normalize_long_option(argv[i])
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            i += 1
+            if token == "-O":
+                if nxt in _LEVEL_DIGITS:
+                    out += [_LEVEL_OPTION, nxt]
+                    i += 1
+                else:
+                    out.append(token)
+                continue
+            if token.startswith("-O=") or (token.startswith("-O") and len(token) > 2
+                                            and not token.startswith("--")):
+                out += [_LEVEL_OPTION, token[3:] if token.startswith("-O=") else token[2:]]
+                continue
+            key, has_value, value = token.partition("=")
+            head = key.split(".", 1)[0]
+            if not (token.startswith("-") and "." in key and head in options):
+                out.append(token)
+                continue
+            action = options[head]
+            canonical = _canonical(action)
+            if not getattr(action.type, "accepts_dotted_keys", False):
+                self.error(f"{token!r}: {canonical} does not take dotted keys; only "
+                           "dict-valued options such as --compilation-config (-cc) do")
+            if not has_value:
+                if nxt is None:
+                    self.error(f"{token!r} needs a value: write {key}=VALUE or {key} VALUE")
+                value = nxt
+                i += 1
+            path = key.split(".")[1:]
+            append = path[-1].endswith("+")
+            if append:
+                path[-1] = path[-1][:-1]
+            if any(not part for part in path):
+                self.error(f"{token!r}: empty key in the dotted path {key!r}; write e.g. "
+                           f"{head}.pass_config.fuse_norm_quant=false")
+            decoded = _decode_list(value) if append else _decode(value)
+            _merge_path(dotted.setdefault(canonical, {}), path, decoded, append,
+                        canonical, duplicates)
+        for canonical, data in dotted.items():
+            out += [canonical, json.dumps(data)]
+        duplicates = _duplicate_options(out, options) + duplicates
+        if duplicates:
+            logger.warning("Found duplicate keys %s (the last value given wins)",
+                           ", ".join(dict.fromkeys(duplicates)))
+        return out + tail
+
+    def _option_actions(self) -> dict[str, argparse.Action]:
+        """Every option string of this parser and its subcommands' parsers -> its action
+        (a dict-valued action wins when two subcommands spell an option differently)."""
+        found: dict[str, argparse.Action] = {}
+        stack: list[argparse.ArgumentParser] = [self]
+        seen: set[int] = set()
+        while stack:
+            parser = stack.pop()
+            if id(parser) in seen:
+                continue
+            seen.add(id(parser))
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    stack.extend(action.choices.values())
+                for option in action.option_strings:
+                    if option not in found or getattr(action.type, "accepts_dotted_keys", False):
+                        found[option] = action
+        return found
+
+
+def _normalize_long_option(token: str) -> str:
+    """`--a_b.c_d=e_f` -> `--a-b.c_d=e_f`: only the option name before `.` or `=` changes."""
+    if not token.startswith("--") or token == "--":
+        return token
+    end = len(token)
+    for sep in (".", "="):
+        pos = token.find(sep)
+        if pos != -1:
+            end = min(end, pos)
+    return token[:end].replace("_", "-") + token[end:]
+
+
+def _canonical(action: argparse.Action) -> str:
+    long_options = [o for o in action.option_strings if o.startswith("--")]
+    return (long_options or action.option_strings)[0]
+
+
+def _decode(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _decode_list(text: str) -> list:
+    value = _decode(text)
+    if isinstance(value, list):
+        return value
+    return [_decode(item.strip()) for item in text.split(",") if item.strip()]
+
+
+def _merge_path(root: dict, path: list[str], value: Any, append: bool, prefix: str,
+                duplicates: list[str]) -> None:
+    """Set `root[path...] = value`; `append` concatenates lists; overwrites are reported."""
+    node = root
+    for depth, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if not isinstance(child, dict):
+            if child is not None:
+                duplicates.append(".".join([prefix, *path[:depth + 1]]))
+            child = node[part] = {}
+        node = child
+    leaf, name = path[-1], ".".join([prefix, *path])
+    existing = node.get(leaf)
+    if append:
+        if isinstance(existing, list):
+            existing.extend(value)
+            return
+        if existing is not None:
+            duplicates.append(name)
+        node[leaf] = list(value)
+    elif isinstance(existing, dict) and isinstance(value, dict):
+        for key, sub in value.items():
+            _merge_path(existing, [key], sub, False, name, duplicates)
+    else:
+        if leaf in node:
+            duplicates.append(name)
+        node[leaf] = value
+
+
+def _duplicate_options(argv: list[str], options: dict[str, argparse.Action]) -> list[str]:
+    """Canonical names of the options that appear more than once in `argv`."""
+    counts: dict[str, int] = {}
+    for token in argv:
+        if not token.startswith("-"):
+            continue
+        action = options.get(token.split("=", 1)[0])
+        if action is None or isinstance(action, (argparse._HelpAction,
+                                                 argparse._VersionAction)):
+            continue
+        name = _canonical(action)
+        counts[name] = counts.get(name, 0) + 1
+    return [name for name, count in counts.items() if count > 1]
