@@ -1,0 +1,65 @@
+"""Random-weight Hugging Face checkpoints of published shapes, written locally for benchmarks."""
+from __future__ import annotations
+
+import json
+import os
+
+SHAPES = {
+    # Qwen2.5-0.5B's published shape (random weights).
+    "qwen2.5-0.5b": dict(arch="Qwen2ForCausalLM", hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         vocab_size=151936, max_position_embeddings=32768,
+                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # The 50M Llama of spec/cpu-performance.md.
+    "llama-50m": dict(arch="LlamaForCausalLM", hidden_size=512, intermediate_size=1376,
+                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                      vocab_size=32000, max_position_embeddings=2048,
+                      tie_word_embeddings=False, rms_norm_eps=1e-5),
+}
+
+
+def write_checkpoint(name: str, root: str, seed: int = 0) -> str:
+    """Write (once) a random-weight checkpoint of shape `name` under `root`; return its path."""
+    import torch
+    import transformers
+
+    path = os.path.join(root, name)
+    if os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(
+            os.path.join(path, "model.safetensors.index.json")):
+        return path
+    shape = dict(SHAPES[name])
+    arch = shape.pop("arch")
+    config_cls = {"Qwen2ForCausalLM": transformers.Qwen2Config,
+                  "LlamaForCausalLM": transformers.LlamaConfig}[arch]
+    config = config_cls(**shape, architectures=[arch], torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():  # keep activations in a sane range with random weights
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    _write_byte_tokenizer(path, config.vocab_size)
+    return path
+
+
+def _write_byte_tokenizer(path: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer (trained on a little stdlib text) so the folder is complete."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    texts = [open(os.path.join(stdlib, f), encoding="utf-8").read()
+             for f in ("argparse.py", "json/decoder.py", "textwrap.py")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 2048), special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="</s>")
+    fast.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": fast.eos_token_id}, f)
