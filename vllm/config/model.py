@@ -95,7 +95,7 @@ class ModelConfig:
     def checkpoint_dtype(self) -> str:
         """The dtype the checkpoint's config.json declares (float32 when it declares none)."""
         cfg = self.hf_config
-        value = getattr(cfg, "torch_dtype", None) or getattr(cfg, "dtype", None)
+        value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
         name = str(value).replace("torch.", "") if value is not None else "float32"
         return name if name in _DTYPES else "float32"
 
