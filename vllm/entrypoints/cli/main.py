@@ -22,6 +22,8 @@ from vllm.version import __version__
 
 SUBCOMMANDS: list[str] = [
     "vllm.entrypoints.cli.config_cmd",
+    "vllm.entrypoints.cli.serve",
+    "vllm.entrypoints.cli.bench",
 ]
 
 

@@ -1,0 +1,468 @@
+"""AsyncLLM: an `LLMEngine` driven by a background thread, with asyncio streams per request.
+
+The engine is not thread-safe, so exactly one thread touches it: the engine thread. The asyncio
+side sends it commands (add, abort, stop) through a queue; between commands the thread calls
+`engine.step()` while any request is unfinished, which gives continuous batching across every
+request added from any coroutine. Each step's outputs are handed back to the event loop that
+added the request (`loop.call_soon_threadsafe`).
+
+Outputs are cumulative (text and token_ids so far), so a slow consumer only ever needs the
+newest one: a `RequestStream` keeps the latest output instead of a growing queue.
+
+Contract for callers:
+  * `generate(prompt, sampling_params, request_id)` -> async iterator of `RequestOutput`; the
+    last one has `finished=True`. Leaving the iteration early (break, cancellation, a client
+    that went away) aborts the request and frees its KV blocks.
+  * `add_request(...)` -> `RequestStream` raises `ValueError` before anything is streamed
+    (prompt too long, bad params) so an HTTP layer can still answer 400.
+  * `abort(request_id)`; `get_stats()` (the engine's `stats()` as of the last step, plus the
+    number of requests in flight); `wait_for_idle(timeout)`; `shutdown()`.
+  * If `engine.step()` raises, every stream fails with `EngineDeadError`, `errored` turns
+    True and new requests are refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from vllm.logger import init_logger
+from vllm.outputs import RequestOutput
+
+logger = init_logger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "StatObserver"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a step raised, or `shutdown()` was called)."""
+
+
+class StatObserver(Protocol):
+    """Receives per-request events from the engine thread (must be thread-safe)."""
+
+    def on_first_token(self, ttft_s: float) -> None: ...
+
+    def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+
+    def on_finished(self, finish_reason: str, e2e_s: float) -> None: ...
+
+
+_STOP = object()
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    sampling_params: Any
+    stream: RequestStream
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_ids: list[str]
+    notify: bool  # end the streams with finish_reason "abort" (False: nobody is listening)
+
+
+class RequestStream:
+    """The outputs of one request, read on the event loop that added it.
+
+    Holds only the newest (cumulative) output. `finished` is True once the final output
+    (or an error) has been delivered; iteration stops after yielding the final output.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.finished = False
+        self.last: RequestOutput | None = None
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self.arrival_time = time.monotonic()
+        # Engine-thread bookkeeping (only the engine thread reads or writes these).
+        self._num_tokens_seen = 0
+        self._first_token_seen = False
+
+    # -- called on the event loop ----------------------------------------------------------
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if self.finished:
+            return
+        if isinstance(item, BaseException):
+            self._pending = item
+        else:
+            self.last = item
+            # An error already waiting is never replaced by an output.
+            if not isinstance(self._pending, BaseException):
+                self._pending = item
+        self._ready.set()
+
+    def _put_aborted(self) -> None:
+        """End the stream as the engine would for an aborted request."""
+        self._put(_aborted_output(self.request_id, self.last))
+
+    async def get(self) -> RequestOutput:
+        """The newest output not yet returned; raises StopAsyncIteration after the final one."""
+        if self.finished and self._pending is None:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._pending = self._pending, None
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        assert item is not None
+        if item.finished:
+            self.finished = True
+        return item
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self._pending is None:
+            raise StopAsyncIteration
+        return await self.get()
+
+
+def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutput:
+    if last is None:
+        return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[],
+                             prompt_logprobs=None, outputs=[], finished=True)
+    out = copy.copy(last)
+    out.outputs = [c if c.finish_reason is not None
+                   else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
+    out.finished = True
+    return out
+
+
+def _snapshot(output: RequestOutput) -> RequestOutput:
+    """A copy the event loop can read while the engine thread keeps mutating its own."""
+    out = copy.copy(output)
+    out.outputs = [dataclasses.replace(c, token_ids=list(c.token_ids),
+                                       logprobs=None if c.logprobs is None else list(c.logprobs))
+                   for c in output.outputs]
+    return out
+
+
+class AsyncLLM:
+    """Runs `engine` in a background thread; see the module docstring for the contract."""
+
+    def __init__(self, engine: Any, *, stat_observer: StatObserver | None = None,
+                 copy_outputs: bool = False) -> None:
+        self.engine = engine
+        self.stat_observer = stat_observer
+        self._copy_outputs = copy_outputs
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # guarded by _lock
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._stopped = False
+        self._stats: dict[str, Any] = self._read_stats()
+        self._thread = threading.Thread(target=self._run, name="vllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
+        """Build the `LLMEngine` (loads the model: slow) and start the engine thread."""
+        from vllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
+
+    # ---- engine facts --------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vllm_config(self) -> Any:
+        return self.engine.vllm_config
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.vllm_config.model_config
+
+    @property
+    def startup_phases(self) -> dict[str, float] | None:
+        """Start-up phase seconds if the engine (or its config) records them."""
+        for owner in (self.engine, getattr(self.engine, "vllm_config", None)):
+            phases = getattr(owner, "startup_phases", None)
+            if phases:
+                return dict(phases)
+        return None
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def in_flight_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._streams)
+
+    def get_stats(self) -> dict[str, Any]:
+        """The engine's `stats()` as of the last step or command, plus `num_in_flight`."""
+        stats = dict(self._stats)
+        stats["num_in_flight"] = self.num_in_flight
+        return stats
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine thread is gone."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._dead!r}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+
+    # ---- requests ------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: Any,
+                          sampling_params: Any) -> RequestStream:
+        """Hand a request to the engine. Raises ValueError (bad prompt or params, duplicate
+        id) or EngineDeadError before returning; the stream then yields its outputs."""
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt, sampling_params, stream, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The caller went away while the engine was adding it: undo.
+            self._abort_nowait([request_id], notify=False)
+            raise
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def generate(self, prompt: Any, sampling_params: Any,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (cumulative) until the finished one. Closing the
+        iterator early or cancelling the task aborts the request."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self._abort_nowait([request_id], notify=False)
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        """Abort requests whose streams nobody reads any more (callable from any thread)."""
+        self._abort_nowait(list(request_ids), notify=False)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests; their streams end with finish_reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._abort_nowait(ids, notify=True)
+
+    def _abort_nowait(self, request_ids: list[str], notify: bool) -> None:
+        if not notify:  # nobody reads these streams any more: forget them now
+            with self._lock:
+                gone = [self._streams.pop(rid, None) for rid in request_ids]
+            self._count_aborted([s for s in gone if s is not None])
+        self._commands.put(_Abort(list(request_ids), notify))
+
+    def _count_aborted(self, streams: list[RequestStream]) -> None:
+        if self.stat_observer is None:
+            return
+        now = time.monotonic()
+        for stream in streams:
+            self.stat_observer.on_finished("abort", now - stream.arrival_time)
+
+    async def wait_for_idle(self, timeout: float, poll_s: float = 0.05) -> bool:
+        """Wait until no request is in flight; False if `timeout` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight:
+            if time.monotonic() >= deadline or self._dead is not None:
+                return self.num_in_flight == 0
+            await asyncio.sleep(poll_s)
+        return True
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight, stop the engine thread and join it. Idempotent."""
+        if not self._stopped:
+            self._stopped = True
+            self._commands.put(_STOP)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        shutdown = getattr(self.engine, "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                logger.exception("engine shutdown raised")
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                commands = []
+                if not engine.has_unfinished_requests():
+                    commands.append(self._commands.get())  # idle: sleep until work arrives
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = False
+                for command in commands:
+                    if command is _STOP:
+                        stop = True
+                    elif isinstance(command, _Add):
+                        self._handle_add(command)
+                    else:
+                        self._handle_abort(command)
+                if stop:
+                    self._abort_all("engine shut down")
+                    return
+                if engine.has_unfinished_requests():
+                    self._deliver(engine.step())
+                self._stats = self._read_stats()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+            logger.exception("engine loop died")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+            while True:  # fail any add that raced with the crash
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(command, _Add) and not command.done.done():
+                    command.done.set_exception(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _handle_add(self, command: _Add) -> None:
+        if command.done.cancelled():
+            return
+        with self._lock:
+            wanted = self._streams.get(command.request_id) is command.stream
+        if not wanted:  # aborted before it reached the engine
+            command.done.set_result(None)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.sampling_params)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            command.done.set_exception(exc)
+            return
+        command.done.set_result(None)
+
+    def _handle_abort(self, command: _Abort) -> None:
+        aborted = []
+        for rid in command.request_ids:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - unknown or already finished id
+                logger.debug("abort of %s ignored", rid, exc_info=True)
+            with self._lock:
+                stream = self._streams.pop(rid, None)
+            if stream is not None:
+                aborted.append(stream)
+        self._count_aborted(aborted)
+        if command.notify:
+            for stream in aborted:
+                stream.loop.call_soon_threadsafe(stream._put_aborted)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        observer = self.stat_observer
+        for output in outputs:
+            with self._lock:
+                stream = self._streams.get(output.request_id)
+                if stream is not None and output.finished:
+                    del self._streams[output.request_id]
+            if stream is None:
+                continue  # aborted by its consumer
+            if observer is not None:
+                self._observe(observer, stream, output, now)
+            item = _snapshot(output) if self._copy_outputs else output
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_many, items)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
+
+    @staticmethod
+    def _observe(observer: StatObserver, stream: RequestStream, output: RequestOutput,
+                 now: float) -> None:
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        new_tokens = num_tokens - stream._num_tokens_seen
+        num_prompt = 0
+        if num_tokens and not stream._first_token_seen:
+            stream._first_token_seen = True
+            num_prompt = len(output.prompt_token_ids or [])
+            observer.on_first_token(now - stream.arrival_time)
+        if new_tokens or num_prompt:
+            observer.on_tokens(num_prompt, max(new_tokens, 0))
+        stream._num_tokens_seen = num_tokens
+        if output.finished:
+            reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+            observer.on_finished(reasons[0] if reasons else "stop", now - stream.arrival_time)
+
+    def _abort_all(self, why: str) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            try:
+                self.engine.abort_request(stream.request_id)
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                stream.loop.call_soon_threadsafe(stream._put_aborted)
+            except RuntimeError:
+                pass
+        while True:  # adds still queued: refuse them
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add) and not command.done.done():
+                command.done.set_exception(EngineDeadError(why))
+        self._stats = self._read_stats()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            try:
+                stream.loop.call_soon_threadsafe(stream._put, exc)
+            except RuntimeError:
+                pass
+
+    def _read_stats(self) -> dict[str, Any]:
+        stats = getattr(self.engine, "stats", None)
+        if not callable(stats):
+            return {}
+        try:
+            return dict(stats())
+        except Exception:  # noqa: BLE001 - metrics must never kill the loop
+            logger.debug("engine.stats() raised", exc_info=True)
+            return dict(self._stats) if hasattr(self, "_stats") else {}
+
+
+def _put_many(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, item in items:
+        stream._put(item)

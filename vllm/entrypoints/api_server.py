@@ -1,0 +1,185 @@
+"""The simple generate server (upstream's demo API), for quick tests and benchmarks.
+
+    python -m vllm.entrypoints.api_server --model ./m -O0 --host 127.0.0.1 --port 8000
+
+POST /generate with JSON {"prompt": "...", "stream": false, <SamplingParams fields>} answers
+{"text": [prompt + completion, ...]} (one entry per `n`); with "stream": true it sends the
+same object after every step, each followed by a null byte ("\\0"). GET /health answers 200.
+Errors are {"error": {"message", "type", "param", "code"}} with status 400. SIGTERM drains as
+`vllm serve` does (--shutdown-timeout).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from vllm.entrypoints.openai.protocol import OpenAIError
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_NOT_SAMPLING = ("prompt", "stream")
+
+
+class _State:
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+        self.draining = False
+        self.api_key: str | None = None
+
+
+def build_app(engine: AsyncLLM) -> Any:
+    """The FastAPI app: /generate and /health over a running AsyncLLM."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    from vllm.entrypoints.openai.api_server import _GuardMiddleware
+    from vllm.sampling_params import SamplingParams
+
+    state = _State(engine)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(_GuardMiddleware, state=state)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = 500 if engine.errored else 200
+        return Response(status_code=status)
+
+    @app.post("/generate")
+    async def generate(raw: Request) -> Response:
+        try:
+            body = json.loads(await raw.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise OpenAIError(f"Invalid JSON in the request body: {exc}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError("the request body must be a JSON object")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise OpenAIError("prompt must be a string", param="prompt")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise OpenAIError("stream must be true or false", param="stream")
+        kwargs = {k: v for k, v in body.items() if k not in _NOT_SAMPLING}
+        try:
+            params = SamplingParams(**kwargs)
+        except TypeError as exc:
+            raise OpenAIError(f"unknown sampling parameter: {exc}") from None
+        except ValueError as exc:
+            field = str(exc).split(" ", 1)[0]
+            raise OpenAIError(str(exc), param=field if field in kwargs else None) from None
+        request_id = f"generate-{uuid.uuid4().hex}"
+        try:
+            rstream = await engine.add_request(request_id, prompt, params)
+        except (ValueError, TypeError) as exc:
+            raise OpenAIError(str(exc)) from None
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), 500) from None
+
+        def texts(output: Any) -> dict:
+            return {"text": [prompt + c.text for c in output.outputs]}
+
+        if stream:
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    async for output in rstream:
+                        yield (json.dumps(texts(output)) + "\0").encode("utf-8")
+                finally:
+                    if not rstream.finished:
+                        engine.abort_nowait([request_id])
+
+            class _Closing(StreamingResponse):
+                async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+                    try:
+                        await super().__call__(scope, receive, send)
+                    finally:
+                        await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+            return _Closing(chunks(), media_type="application/octet-stream")
+
+        final = None
+        waiter = asyncio.ensure_future(_last(rstream))
+        try:
+            while final is None:
+                done, _ = await asyncio.wait({waiter}, timeout=0.25)
+                if done:
+                    final = waiter.result()
+                elif await raw.is_disconnected():
+                    return Response(status_code=499)
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), 500) from None
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+            if not rstream.finished:
+                engine.abort_nowait([request_id])
+        return JSONResponse(texts(final))
+
+    return app
+
+
+async def _last(stream: Any) -> Any:
+    last = None
+    async for output in stream:
+        last = output
+    return last
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="python -m vllm.entrypoints.api_server",
+                                    description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0)
+    parser.add_argument("--uvicorn-log-level", default="info")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvicorn
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.openai.api_server import _uvicorn_server_class, format_phase_table
+
+    parser = make_parser()
+    args = parser.parse_args(None if argv is None else list(argv))
+    try:
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        phases = engine.startup_phases
+        if phases:
+            logger.info("Start-up phases:\n%s", format_phase_table(phases))
+        app = build_app(engine)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level, timeout_keep_alive=5,
+                                timeout_graceful_shutdown=5)
+        server = _uvicorn_server_class()(config, app.state.server, args.shutdown_timeout)
+        asyncio.run(server.serve())
+        if not server.started:
+            return 1
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["build_app", "main", "make_parser"]

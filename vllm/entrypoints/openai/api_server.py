@@ -1,0 +1,306 @@
+"""The OpenAI-compatible HTTP server behind `vllm serve`.
+
+Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or server-sent events),
+`/health`, `/version`, `/metrics` (Prometheus text). With an API key (`--api-key` or
+VLLM_API_KEY) every `/v1` route needs `Authorization: Bearer <key>`.
+
+Life cycle: the engine is built (model loaded, compiled) before the socket is bound, so
+`/health` answers 200 only once the server can generate. SIGTERM (or Ctrl+C) starts a
+graceful shutdown: new requests get 503, running ones may finish for `--shutdown-timeout`
+seconds, the rest are aborted (their streams end with finish_reason "abort"), then the process
+exits 0. A second signal exits at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from vllm.engine.async_llm import AsyncLLM
+from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    error_body,
+    parse_request,
+)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import ClientDisconnected, OpenAIServingCompletion
+from vllm.logger import init_logger
+from vllm.version import __version__
+
+logger = init_logger(__name__)
+
+__all__ = ["build_app", "run_server", "ServerState"]
+
+
+class ServerState:
+    """What the routes share."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
+                 api_key: str | None, metrics: ServerMetrics | None) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.api_key = api_key
+        self.metrics = metrics or ServerMetrics(self.served_model_names[0])
+        self.draining = False
+        self.created = int(time.time())
+        mc = engine.model_config
+        self.max_model_len = int(mc.max_model_len)
+        tokenizer = engine.tokenizer
+        self.completion = OpenAIServingCompletion(engine, self.served_model_names,
+                                                  self.max_model_len, tokenizer)
+        self.chat = OpenAIServingChat(engine, self.served_model_names, self.max_model_len,
+                                      tokenizer)
+
+
+class _GuardMiddleware:
+    """Plain ASGI (no buffering, so streams and disconnects pass through): 503 while
+    draining, 401 on /v1 routes without the right bearer token."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        state = self.state
+        if state.draining and path != "/metrics":
+            await _send_json(send, 503, error_body("the server is shutting down", 503))
+            return
+        if state.api_key and path.startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            expected = f"Bearer {state.api_key}"
+            if not hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8")):
+                await _send_json(send, 401, error_body(
+                    "invalid or missing API key: send `Authorization: Bearer <key>`", 401))
+                return
+        await self.app(scope, receive, send)
+
+
+async def _send_json(send: Any, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str | None = None,
+              metrics: ServerMetrics | None = None) -> Any:
+    """The FastAPI app over a running `AsyncLLM` (its state is `app.state.server`)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    state = ServerState(engine, served_model_names, api_key, metrics)
+    app = FastAPI(title="vLLM-compatible OpenAI API", version=__version__,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(_GuardMiddleware, state=state)
+
+    class SSEResponse(StreamingResponse):
+        """Closes the body iterator however the response ends (a dropped client included),
+        so the generator's cleanup aborts the engine requests."""
+
+        def __init__(self, content: AsyncIterator[str]) -> None:
+            super().__init__(content, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 400), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {exc!r}", 500), status_code=500)
+
+    async def read_json(raw: Request) -> Any:
+        body = await raw.body()
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise OpenAIError(f"Invalid JSON in the request body: {exc}", 400) from None
+
+    def respond(result: dict | AsyncIterator[str]) -> Response:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return SSEResponse(result)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return JSONResponse(error_body("the engine has stopped", 500), status_code=500)
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        text = state.metrics.render(engine.get_stats(), engine.startup_phases)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        root = engine.model_config.model
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "vllm",
+             "root": root, "parent": None, "max_model_len": state.max_model_len,
+             "permission": []} for name in state.served_model_names]})
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        request = parse_request(CompletionRequest, await read_json(raw))
+        try:
+            return respond(await state.completion.create_completion(request, raw))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        request = parse_request(ChatCompletionRequest, await read_json(raw))
+        try:
+            return respond(await state.chat.create_chat_completion(request, raw))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    return app
+
+
+# ---- running it --------------------------------------------------------------------------
+def _uvicorn_server_class() -> type:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn with our signal handling: drain, then exit 0 (uvicorn alone would re-raise
+        the signal after its own shutdown, and would stop answering at once)."""
+
+        def __init__(self, config: Any, state: ServerState, shutdown_timeout: float) -> None:
+            super().__init__(config)
+            self.state = state
+            self.shutdown_timeout = shutdown_timeout
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._drain_task: asyncio.Task | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            self._loop = asyncio.get_running_loop()
+            signals = (signal.SIGINT, signal.SIGTERM)
+            originals = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in originals.items():
+                    signal.signal(sig, handler)
+
+        def _on_signal(self, sig: int, frame: Any) -> None:
+            if self.state.draining:  # second signal: stop now
+                logger.warning("second %s: exiting without waiting", signal.Signals(sig).name)
+                self.force_exit = True
+                self.should_exit = True
+                return
+            self.state.draining = True
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+        def _start_drain(self, name: str) -> None:
+            self._drain_task = asyncio.ensure_future(self._drain(name))
+
+        async def _drain(self, name: str) -> None:
+            engine = self.state.engine
+            n = engine.num_in_flight
+            logger.info("%s received: refusing new requests; waiting up to %.1f s for %d "
+                        "running request(s)", name, self.shutdown_timeout, n)
+            if not await engine.wait_for_idle(self.shutdown_timeout):
+                ids = engine.in_flight_ids()
+                logger.warning("shutdown timeout: aborting %d request(s)", len(ids))
+                await engine.abort(ids)
+                await asyncio.sleep(0.2)  # let the aborted streams send their last chunk
+            self.should_exit = True
+
+    return GracefulServer
+
+
+def format_phase_table(phases: dict[str, float]) -> str:
+    width = max(len(p) for p in phases)
+    total = sum(phases.values())
+    lines = [f"  {p:<{width}}  {s:8.2f} s" for p, s in phases.items()]
+    lines.append(f"  {'total':<{width}}  {total:8.2f} s")
+    return "\n".join(lines)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine from the parsed flags (EngineArgs' plus those of
+    `vllm.entrypoints.cli.serve.add_server_args`), serve until SIGTERM/SIGINT, return 0.
+    Raises ValueError for flags that cannot be resolved (the CLI prints them)."""
+    import uvicorn
+
+    from vllm import envs
+    from vllm.engine.arg_utils import EngineArgs
+
+    served = args.served_model_name or args.model
+    api_key = args.api_key or envs.VLLM_API_KEY
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    logger.info("vLLM-compatible API server %s; model %s", __version__, args.model)
+    metrics = ServerMetrics(served)
+    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), stat_observer=metrics)
+    try:
+        phases = engine.startup_phases
+        if phases:
+            logger.info("Start-up phases:\n%s", format_phase_table(phases))
+        app = build_app(engine, [served], api_key=api_key, metrics=metrics)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+        server = _uvicorn_server_class()(config, app.state.server, args.shutdown_timeout)
+        logger.info("Serving %r on http://%s:%d (API key %s)", served, args.host, args.port,
+                    "required" if api_key else "not required")
+        asyncio.run(server.serve())
+        if not server.started:
+            return 1  # e.g. the port was taken (uvicorn logged why)
+    finally:
+        engine.shutdown()
+    logger.info("server stopped")
+    return 0

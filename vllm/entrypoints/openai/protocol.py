@@ -1,0 +1,234 @@
+"""Request models and error shapes of the OpenAI-compatible API.
+
+Requests are pydantic models with strict scalar types (a string is not a number), unknown
+fields are ignored as upstream does. Responses are plain dicts built by the serving modules.
+Every error reaches the client as `{"error": {"message", "type", "param", "code"}}` with the
+HTTP status in `code`; `OpenAIError` carries one through the server.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import ValidationError as PydanticValidationError
+
+__all__ = [
+    "ChatCompletionRequest", "CompletionRequest", "OpenAIError", "StreamOptions",
+    "error_body", "from_validation_error", "parse_request",
+]
+
+_ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+    405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
+    500: "InternalServerError", 503: "ServiceUnavailableError",
+}
+
+# What a field accepts, for errors on union-typed fields (pydantic reports every branch).
+_FIELD_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "messages": "a non-empty list of {\"role\": ..., \"content\": ...} objects",
+}
+
+
+class OpenAIError(Exception):
+    """An error the server answers with an OpenAI-style JSON body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.err_type = err_type or _ERROR_TYPES.get(status, "BadRequestError")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param, self.err_type)
+
+
+def error_body(message: str, status: int = 400, param: str | None = None,
+               err_type: str | None = None) -> dict:
+    return {"error": {"message": message,
+                      "type": err_type or _ERROR_TYPES.get(status, "BadRequestError"),
+                      "param": param, "code": status}}
+
+
+def _loc_to_param(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; union branch names dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool",
+                                                                  "list", "dict", "none")):
+            continue  # a union branch label such as 'list[int]'
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def from_validation_error(exc: PydanticValidationError) -> OpenAIError:
+    """The first problem of a pydantic error, naming the field."""
+    errors = exc.errors()
+    first = errors[0]
+    field = str(first["loc"][0]) if first["loc"] else None
+    if field in _FIELD_HINTS and len(errors) > 1 and all(
+            e["loc"] and e["loc"][0] == field for e in errors):
+        param = _loc_to_param(first["loc"][:1])
+        return OpenAIError(f"{param} must be {_FIELD_HINTS[field]}", 400, param)
+    param = _loc_to_param(first["loc"]) or None
+    msg = first["msg"]
+    if first["type"] == "missing":
+        msg = "Field required"
+    got = first.get("input")
+    detail = f"{param}: {msg}" if param else msg
+    if first["type"] != "missing" and not isinstance(got, (dict, list)):
+        detail += f" (got {got!r})"
+    return OpenAIError(detail, 400, param)
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are accepted and ignored (OpenAI clients send extras).
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: StrictBool | None = True
+    continuous_usage_stats: StrictBool | None = False
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
+
+    model: StrictStr | None = None
+    n: StrictInt = 1
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
+    request_id: StrictStr | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams keyword arguments for the fields the client set."""
+        kwargs: dict[str, Any] = {
+            "n": self.n, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+        }
+        for name in ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        return kwargs
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError("prompt must not be empty", 400, "prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]] = Field(...)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def output_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles and contents; flatten text parts into one string per message.
+    Raises OpenAIError naming e.g. `messages[1].content`."""
+    if not messages:
+        raise OpenAIError("messages must be a non-empty list", 400, "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise OpenAIError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}",
+                              400, f"{where}.role")
+        content = msg.get("content")
+        if content is None:
+            if role == "assistant":
+                content = ""
+            else:
+                raise OpenAIError(f"{where}.content is required", 400, f"{where}.content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or \
+                        not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise OpenAIError(
+                        f"{where}.content[{j}]: only text parts are supported "
+                        f"({{\"type\": \"text\", \"text\": ...}}), got {kind!r}", 400,
+                        f"{where}.content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise OpenAIError(f"{where}.content must be a string or a list of text parts",
+                              400, f"{where}.content")
+        clean = {k: v for k, v in msg.items() if k not in ("role", "content")}
+        clean.update(role=role, content=content)
+        out.append(clean)
+    return out
+
+
+def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
+    """Validate a decoded JSON body; OpenAIError (400) naming the field on failure."""
+    if not isinstance(data, dict):
+        raise OpenAIError("the request body must be a JSON object", 400)
+    try:
+        return model_cls.model_validate(data)
+    except PydanticValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+FinishReason = Literal["stop", "length", "abort"]

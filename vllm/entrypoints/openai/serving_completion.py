@@ -1,0 +1,385 @@
+"""/v1/completions, and `OpenAIServing`: what completions and chat share.
+
+`OpenAIServing` checks the model name, tokenizes and length-checks prompts, builds
+`SamplingParams`, hands the requests to the `AsyncLLM` (so a bad request fails with 400
+before anything is streamed), and collects or streams the outputs. A client that goes away
+(closed stream, or a dropped connection while waiting for a non-streaming answer) aborts its
+requests so their KV blocks are freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from vllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from vllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, error_body
+from vllm.logger import init_logger
+from vllm.outputs import RequestOutput
+
+logger = init_logger(__name__)
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+_DISCONNECT_POLL_S = 0.25
+_DONE = object()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its (non-streaming) answer was ready."""
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def _finite(value: float) -> float:
+    # JSON has no -inf; clients get a very small number instead.
+    return max(float(value), -9999.0)
+
+
+class OpenAIServing:
+    """Shared by the completion and chat handlers."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
+                 max_model_len: int, tokenizer: Any) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.vocab_size = _vocab_size(tokenizer, engine)
+        self._token_text: dict[int, str] = {}
+
+    # ---- request checks ------------------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        """The served model name to report; 404 for a model this server does not serve."""
+        if name is None or name in self.served_model_names:
+            return self.served_model_names[0] if name is None else name
+        raise OpenAIError(f"The model `{name}` does not exist.", 404, "model")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise OpenAIError(f"{param} must not be empty", 400, param)
+        if self.vocab_size is not None:
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise OpenAIError(f"{param} holds token id {bad[0]}, outside the vocabulary "
+                                  f"[0, {self.vocab_size})", 400, param)
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str,
+                           max_param: str = "max_tokens") -> int:
+        """The output budget; 400 naming the field when prompt + output do not fit."""
+        if requested is not None and requested < 1:
+            raise OpenAIError(f"{max_param} must be at least 1, got {requested}", 400,
+                              max_param)
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"{prompt_param} has {prompt_len} tokens, which leaves no room for output. "
+                f"Please shorten the {prompt_param}.", 400, prompt_param)
+        if requested is None:
+            return room
+        if requested > room:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_len + requested} tokens ({prompt_len} in the "
+                f"{prompt_param}, {requested} in the completion). Please reduce the length of "
+                f"the {prompt_param} or {max_param}.", 400, max_param)
+        return requested
+
+    def sampling_params(self, kwargs: dict[str, Any], max_tokens: int,
+                        logprobs: int | None) -> Any:
+        """SamplingParams, turning its ValueError into a 400 naming the field."""
+        from vllm.sampling_params import SamplingParams
+
+        n = kwargs.get("n", 1)
+        if not 1 <= n <= MAX_N:
+            raise OpenAIError(f"n must be between 1 and {MAX_N}, got {n}", 400, "n")
+        try:
+            return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+        except ValueError as exc:
+            message = str(exc)
+            field = message.split(" ", 1)[0]
+            param = field if field in kwargs or field in ("max_tokens", "logprobs") else None
+            raise OpenAIError(message, 400, param) from None
+
+    # ---- running requests ----------------------------------------------------------------
+    async def start(self, base_id: str, prompts: list[list[int]],
+                    params: Any) -> list[RequestStream]:
+        """Add one engine request per prompt; if one is refused, abort those already added."""
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.engine.add_request(
+                    rid, {"prompt_token_ids": ids}, params))
+        except BaseException as exc:
+            if streams:
+                self.engine.abort_nowait([s.request_id for s in streams])
+            if isinstance(exc, ValueError):
+                raise OpenAIError(str(exc), 400) from None
+            if isinstance(exc, EngineDeadError):
+                raise OpenAIError(str(exc), 500) from None
+            raise
+        return streams
+
+    def abort_unfinished(self, streams: list[RequestStream]) -> None:
+        ids = [s.request_id for s in streams if not s.finished]
+        if ids:
+            self.engine.abort_nowait(ids)
+
+    async def merged(self, streams: list[RequestStream]
+                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all streams as they arrive."""
+        if len(streams) == 1:
+            async for output in streams[0]:
+                yield 0, output
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((i, output))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the reader
+                queue.put_nowait((i, exc))
+            finally:
+                queue.put_nowait((i, _DONE))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def collect(self, streams: list[RequestStream],
+                      raw_request: Any = None) -> list[RequestOutput]:
+        """The final output of every stream. Aborts them all if the client disconnects
+        (then raises ClientDisconnected) or if this coroutine is cancelled."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def drain() -> None:
+            async for i, output in self.merged(streams):
+                finals[i] = output
+
+        task = asyncio.create_task(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    break
+                if raw_request is not None and await raw_request.is_disconnected():
+                    logger.info("client disconnected; aborting %s",
+                                ", ".join(s.request_id for s in streams))
+                    raise ClientDisconnected()
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), 500) from None
+        finally:
+            if not task.done():
+                task.cancel()
+            self.abort_unfinished(streams)
+        return [f for f in finals if f is not None]
+
+    # ---- tokens and logprobs -------------------------------------------------------------
+    def token_text(self, token_id: int, logprob: Any = None) -> str:
+        decoded = getattr(logprob, "decoded_token", None)
+        if decoded is not None:
+            return decoded
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def completion_logprobs(self, token_ids: list[int], entries: list[dict] | None,
+                            text_offset: int) -> dict:
+        """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for pos, tid in enumerate(token_ids):
+            entry = entries[pos] if entries is not None and pos < len(entries) else {}
+            chosen = entry.get(tid)
+            text = self.token_text(tid, chosen)
+            tokens.append(text)
+            token_logprobs.append(None if chosen is None else _finite(chosen.logprob))
+            tops.append({self.token_text(t, lp): _finite(lp.logprob)
+                         for t, lp in _by_rank(entry)} if entry else None)
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], entries: list[dict] | None,
+                      num_top: int) -> dict:
+        """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        content = []
+        for pos, tid in enumerate(token_ids):
+            entry = entries[pos] if entries is not None and pos < len(entries) else {}
+            chosen = entry.get(tid)
+            text = self.token_text(tid, chosen)
+            top = [{"token": self.token_text(t, lp), "logprob": _finite(lp.logprob),
+                    "bytes": list(self.token_text(t, lp).encode("utf-8"))}
+                   for t, lp in _by_rank(entry)[:num_top]]
+            content.append({"token": text,
+                            "logprob": -9999.0 if chosen is None else _finite(chosen.logprob),
+                            "bytes": list(text.encode("utf-8")), "top_logprobs": top})
+        return {"content": content}
+
+
+def _by_rank(entry: dict) -> list[tuple[int, Any]]:
+    return sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None
+                                                 else 1 << 30, -kv[1].logprob))
+
+
+def _vocab_size(tokenizer: Any, engine: Any) -> int | None:
+    try:
+        return int(engine.model_config.get_vocab_size())
+    except Exception:  # noqa: BLE001 - fall back to the tokenizer
+        try:
+            return len(tokenizer)
+        except Exception:  # noqa: BLE001
+            return None
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """POST /v1/completions."""
+
+    async def create_completion(self, request: CompletionRequest,
+                                raw_request: Any = None) -> dict | AsyncIterator[str]:
+        """A response dict, or (stream=true) an async iterator of SSE strings.
+        Raises OpenAIError for bad requests before anything is streamed."""
+        model = self.check_model(request.model)
+        if request.suffix is not None:
+            raise OpenAIError("suffix is not supported", 400, "suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError("best_of is not supported (use n)", 400, "best_of")
+        if request.logit_bias:
+            raise OpenAIError("logit_bias is not supported", 400, "logit_bias")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got "
+                              f"{request.logprobs}", 400, "logprobs")
+        texts: list[str] = []
+        prompts: list[list[int]] = []
+        for item in request.prompts():
+            if isinstance(item, str):
+                ids = self.tokenize(item)
+                texts.append(item)
+            else:
+                ids = list(item)
+                self.check_token_ids(ids, "prompt")
+                texts.append(self.tokenizer.decode(ids) if request.echo else "")
+            if not ids:
+                raise OpenAIError("prompt must not be empty", 400, "prompt")
+            prompts.append(ids)
+        longest = max(len(p) for p in prompts)
+        max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
+        params = self.sampling_params(request.sampling_kwargs(), max_tokens, request.logprobs)
+        base_id = random_id("cmpl")
+        created = int(time.time())
+        streams = await self.start(base_id, prompts, params)
+        if request.stream:
+            return self._stream(request, streams, prompts, texts, base_id, created, model)
+        finals = await self.collect(streams, raw_request)
+        return self._response(request, finals, prompts, texts, base_id, created, model)
+
+    def _response(self, request: CompletionRequest, finals: list[RequestOutput],
+                  prompts: list[list[int]], texts: list[str], base_id: str, created: int,
+                  model: str) -> dict:
+        choices = []
+        completion_tokens = 0
+        n = request.n
+        for i, final in enumerate(finals):
+            prefix = texts[i] if request.echo else ""
+            for c in final.outputs:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                choices.append({"index": i * n + c.index, "text": prefix + c.text,
+                                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        choices.sort(key=lambda ch: ch["index"])
+        prompt_tokens = sum(len(p) for p in prompts)
+        return {"id": base_id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    async def _stream(self, request: CompletionRequest, streams: list[RequestStream],
+                      prompts: list[list[int]], texts: list[str], base_id: str, created: int,
+                      model: str) -> AsyncIterator[str]:
+        n = request.n
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        prompt_tokens = sum(len(p) for p in prompts)
+
+        def usage() -> dict:
+            done = sum(sent_tokens.values())
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                    "total_tokens": prompt_tokens + done}
+
+        try:
+            async for i, output in self.merged(streams):
+                choices = []
+                for c in output.outputs:
+                    index = i * n + c.index
+                    if index in finished:
+                        continue
+                    first = index not in sent_text
+                    start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                    delta = c.text[start_text:]
+                    new_ids = c.token_ids[start_tok:]
+                    if not delta and not new_ids and c.finish_reason is None and not (
+                            first and request.echo):
+                        continue
+                    prefix = texts[i] if first and request.echo else ""
+                    logprobs = None
+                    if request.logprobs is not None:
+                        entries = None if c.logprobs is None else c.logprobs[start_tok:]
+                        logprobs = self.completion_logprobs(new_ids, entries,
+                                                            len(prefix) + start_text)
+                    sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:
+                        finished.add(index)
+                    choices.append({"index": index, "text": prefix + delta,
+                                    "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+                if choices:
+                    chunk = {"id": base_id, "object": "text_completion", "created": created,
+                             "model": model, "choices": choices}
+                    if include_usage:
+                        chunk["usage"] = usage() if continuous else None
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({"id": base_id, "object": "text_completion", "created": created,
+                           "model": model, "choices": [], "usage": usage()})
+        except EngineDeadError as exc:
+            yield sse(error_body(str(exc), 500))
+        finally:
+            self.abort_unfinished(streams)
+        yield sse("[DONE]")
