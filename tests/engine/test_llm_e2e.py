@@ -1,0 +1,207 @@
+"""End to end on a tiny random-weight Llama: LLM.generate against transformers, under prefix
+caching, chunked prefill, preemption and aborts; sampling features; errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MAX_TOKENS, PROMPTS
+
+from vllm import LLM, SamplingParams
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw) -> SamplingParams:
+    # min_tokens = max_tokens suppresses EOS, as transformers' min_new_tokens does.
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, **kw)
+
+
+def test_greedy_matches_transformers(llm, hf_greedy):
+    outputs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    for prompt, out in zip(PROMPTS, outputs):
+        completion = out.outputs[0]
+        assert completion.token_ids == hf_greedy(prompt), prompt
+        assert completion.finish_reason == "length" and out.finished
+        text = llm.get_tokenizer().decode(completion.token_ids, skip_special_tokens=True)
+        assert completion.text == text
+    # The two prompts sharing a prefix: the second run of the batch hits the cache.
+    again = llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 16
+    assert again.outputs[0].token_ids == hf_greedy(PROMPTS[2])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 16},
+    {"num_gpu_blocks_override": 10, "max_model_len": 128},
+], ids=["no-prefix-cache", "chunked-16", "preemption"])
+def test_same_outputs_under_engine_settings(llama_path, hf_greedy, kwargs):
+    llm = LLM(model=llama_path, optimization_level=0, **{"max_model_len": 256, **kwargs})
+    params = greedy(24) if "num_gpu_blocks_override" in kwargs else greedy()
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(prompt, params.max_tokens), prompt
+    stats = llm.llm_engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    if "num_gpu_blocks_override" in kwargs:
+        assert stats["num_preemptions"] > 0
+    if kwargs.get("enable_prefix_caching") is False:
+        assert stats["prefix_cache_hits"] == 0
+
+
+def test_abort_midway_frees_blocks(llm, hf_greedy):
+    engine = llm.llm_engine
+    start = engine.stats()["num_free_blocks"]
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"abort-{i}", prompt, greedy())
+    for _ in range(3):
+        engine.step()
+    assert engine.stats()["num_free_blocks"] < start
+    engine.abort_request("abort-1")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {"abort-0", "abort-2"}
+    assert finished["abort-2"].outputs[0].token_ids == hf_greedy(PROMPTS[2])
+    assert engine.stats()["num_free_blocks"] == start
+    assert engine.stats()["num_requests_running"] == 0
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10)
+    alone = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    batched = llm.generate(PROMPTS, [params] + [SamplingParams(temperature=1.0, max_tokens=7)]
+                           * (len(PROMPTS) - 1), use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == batched
+    other = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=10)
+    assert llm.generate(PROMPTS[0], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n_completions(llm, hf_greedy):
+    out = llm.generate(PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    out = llm.generate(PROMPTS[1], greedy(n=3), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [hf_greedy(PROMPTS[1])] * 3
+
+
+def test_stop_strings_and_stop_tokens(llm, hf_greedy):
+    tokenizer = llm.get_tokenizer()
+    ref_ids = hf_greedy(PROMPTS[1])
+    full = tokenizer.decode(ref_ids, skip_special_tokens=True)
+    start = next(i for i in range(2, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    stop = full[start:start + 2]
+    cut = full.find(stop)
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  stop=[stop], min_tokens=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == ref_ids[:len(out.token_ids)]
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  stop=stop, include_stop_str_in_output=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == full[:cut + len(stop)]
+    stop_id = ref_ids[4]
+    first = ref_ids.index(stop_id)
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_eos_ignore_eos_and_min_tokens(llm, hf_greedy, monkeypatch):
+    engine = llm.llm_engine
+    ref_ids = hf_greedy(PROMPTS[0])
+    eos = ref_ids[2]
+    first = ref_ids.index(eos)
+    monkeypatch.setattr(engine, "eos_token_ids", {eos})
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref_ids and out.finish_reason == "length"
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                  min_tokens=first + 2),
+                       use_tqdm=False)[0].outputs[0]
+    assert eos not in out.token_ids[:first + 2] and len(out.token_ids) >= first + 2
+
+
+def test_logprobs_match_transformers(llm, hf_model, tokenizer):
+    prompt = PROMPTS[1]
+    out = llm.generate(prompt, greedy(6, logprobs=2, prompt_logprobs=1), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids + completion.token_ids])).logits[0].log_softmax(-1)
+    assert len(completion.logprobs) == 6
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = ref[len(ids) - 1 + i]
+        assert entry[token].rank == 1 and len(entry) <= 3
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        total += entry[token].logprob
+    assert completion.cumulative_logprob == pytest.approx(total)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert entry[ids[pos]].logprob == pytest.approx(ref[pos - 1, ids[pos]].item(),
+                                                        abs=1e-4)
+        rank = int((ref[pos - 1] > ref[pos - 1, ids[pos]]).sum()) + 1
+        assert entry[ids[pos]].rank == rank
+
+
+def test_token_prompts_and_chat(llm, hf_greedy, tokenizer):
+    ids = tokenizer.encode(PROMPTS[1])
+    out = llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == hf_greedy(PROMPTS[1])
+    out = llm.chat([{"role": "user", "content": "Hello"}], greedy(4), use_tqdm=False)[0]
+    assert out.prompt.endswith("assistant\n") and len(out.outputs[0].token_ids) == 4
+    outs = llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]],
+                    greedy(2), use_tqdm=False)
+    assert len(outs) == 2
+
+
+def test_prompt_too_long_fails_alone(llm, hf_greedy):
+    long_prompt = {"prompt_token_ids": [5] * 300}
+    with pytest.raises(ValueError, match=r"prompt 1: .*300 tokens.*max_model_len=256"):
+        llm.generate([PROMPTS[0], long_prompt], greedy(), use_tqdm=False)
+    engine = llm.llm_engine
+    engine.add_request("ok", PROMPTS[0], greedy())
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("too-long", long_prompt, greedy())
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["ok"]
+    assert done[0].outputs[0].token_ids == hf_greedy(PROMPTS[0])
+
+
+def test_invalid_arguments(llm):
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate("x", SamplingParams(temperature=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], [SamplingParams(), SamplingParams(), SamplingParams()],
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="already in use"):
+        llm.llm_engine.add_request("dup", "a", greedy(1))
+        llm.llm_engine.add_request("dup", "b", greedy(1))
+    llm.llm_engine.abort_request("dup")
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_kv_cache_too_small_is_a_clear_error(llama_path):
+    with pytest.raises(ValueError, match=r"bytes per block.*17 blocks needed.*5 available"):
+        LLM(model=llama_path, optimization_level=0, max_model_len=256, num_gpu_blocks_override=5)
+    with pytest.raises(ValueError, match="too small for one sequence"):
+        LLM(model=llama_path, optimization_level="O0", max_model_len=256,
+            kv_cache_memory=100_000)
+    with pytest.raises(ValueError, match="unknown engine arguments"):
+        LLM(model=llama_path, optimisation_level=0)

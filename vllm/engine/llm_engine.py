@@ -1,0 +1,206 @@
+"""LLMEngine: add requests, step, abort. Owns the tokenizer, scheduler, executor and output
+processor; one `step()` is schedule -> execute -> update -> detokenize."""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.engine.executor import Executor
+from vllm.engine.output_processor import OutputProcessor
+from vllm.engine.request import Request, RequestStatus
+from vllm.engine.scheduler import Scheduler
+from vllm.logger import init_logger
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+logger = init_logger(__name__)
+
+PromptType = str | dict[str, Any]
+"""A text prompt, {"prompt": text} or {"prompt_token_ids": [...]} (optionally with "prompt")."""
+
+# generation_config.json keys that become default sampling parameters.
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                        "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                        "max_new_tokens": "max_tokens"}
+
+
+def load_tokenizer(tokenizer: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"Cannot load the tokenizer from {tokenizer!r}: {exc}") from exc
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+class LLMEngine:
+    """The synchronous engine: requests in, RequestOutputs out, one step at a time."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
+                 log_stats: bool = False, load_format: str = "auto") -> None:
+        self.vllm_config = vllm_config
+        self.model_config = mc = vllm_config.model_config
+        self.log_stats = log_stats
+        logger.info("%s", vllm_config.summary_line())
+        self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+        self.generation_config = self._read_generation_config()
+        self.eos_token_ids = self._eos_token_ids()
+        self.max_model_len = mc.max_model_len
+        self.vocab_size = mc.get_vocab_size()
+        self.device = vllm_config.platform.torch_device()
+        executor_class = executor_class or Executor.get_class(vllm_config)
+        self.executor = executor_class(vllm_config, load_format=load_format)
+        self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
+                                   self.executor.num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
+        config = engine_args.create_engine_config()
+        kwargs.setdefault("log_stats", not engine_args.disable_log_stats)
+        return cls(config, **kwargs)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: VllmConfig, **kwargs: Any) -> LLMEngine:
+        return cls(vllm_config, **kwargs)
+
+    # ---- model facts --------------------------------------------------------------------
+    def _read_generation_config(self) -> dict:
+        path = os.path.join(self.model_config.model, "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = _as_id_set(getattr(self.tokenizer, "eos_token_id", None))
+        if "eos_token_id" in self.generation_config:
+            ids |= _as_id_set(self.generation_config["eos_token_id"])
+        else:
+            ids |= _as_id_set(getattr(self.model_config.hf_config, "eos_token_id", None))
+        return ids
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults applied."""
+        values = {ours: self.generation_config[theirs]
+                  for theirs, ours in _GENERATION_DEFAULTS.items()
+                  if self.generation_config.get(theirs) is not None}
+        return SamplingParams(**values)
+
+    # ---- requests -----------------------------------------------------------------------
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids), validated against max_model_len and the
+        vocabulary. Raises ValueError."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and prompt.get("prompt_token_ids") is not None:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        else:
+            raise ValueError("a prompt must be a string, {'prompt': str} or "
+                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), "
+                             f"got {bad[:5]}")
+        return text, token_ids
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError for an invalid prompt (e.g. longer than
+        max_model_len) or a request id already in use, leaving other requests untouched."""
+        if params is None:
+            params = self.get_default_sampling_params()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
+        request_id = str(request_id)
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.process_prompt(prompt)
+        params = params.clone()
+        params.update_from_eos(self.eos_token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = max(1, min(params.max_tokens or room, room))
+        if params.n == 1:
+            internal = [(request_id, params)]
+        else:
+            internal = []
+            for i in range(params.n):
+                child = params.clone()
+                child.n = 1
+                if child.seed is not None:
+                    child.seed += i
+                internal.append((f"{i}_{request_id}", child))
+        self.output_processor.add_request(request_id, text, token_ids, params,
+                                          [i for i, _ in internal], [p for _, p in internal])
+        for internal_id, child in internal:
+            request = Request(internal_id, token_ids, child, max_tokens, arrival_time)
+            if child.seed is not None:
+                request.generator = torch.Generator(device=self.device)
+                request.generator.manual_seed(child.seed)
+            self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        internal = self.output_processor.abort_requests(ids)
+        self.scheduler.finish_requests(internal, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the RequestOutputs of requests that progressed
+        (cumulative text and tokens; `finished` once all n sequences are done)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def stats(self) -> dict:
+        """Scheduler and KV-cache gauges for logs and /metrics."""
+        stats = self.scheduler.stats()
+        stats["num_unfinished_requests"] = self.get_num_unfinished_requests()
+        stats["block_size"] = self.vllm_config.cache_config.block_size
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,285 @@
+"""ModelRunner: execute one SchedulerOutput on the model and sample.
+
+Steps: update the per-request state from the SchedulerOutput, fill the persistent input
+buffers, build the attention metadata, pick the CUDA-graph mode and padded size, run the model
+inside the forward context, compute logits only for the rows that sample (plus prompt-logprob
+rows), sample, and return a ModelRunnerOutput.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vllm.config.compilation import CUDAGraphMode
+from vllm.engine.input_buffers import InputBuffers
+from vllm.engine.sched_output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from vllm.logger import init_logger
+from vllm.model_executor.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Prompt + outputs; the runner appends what it samples."""
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+
+class ModelRunner:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.device = device
+        self.block_size = vllm_config.cache_config.block_size
+        sc = vllm_config.scheduler_config
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.max_num_reqs = sc.max_num_seqs
+        self.model: torch.nn.Module | None = None
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.input_buffers = InputBuffers(self.max_num_tokens, self.max_num_reqs, device)
+        self.attn_metadata_builder = None
+        # Set by the compilation stack when CUDA graphs are on: maps a batch to
+        # (runtime mode, BatchDescriptor, padded token count).
+        self.cudagraph_dispatcher = None
+
+    # ---- set-up -------------------------------------------------------------------------
+    def load_model(self, load_format: str = "auto") -> None:
+        from vllm.model_executor.model_loader import get_model
+
+        self.model = get_model(self.vllm_config, load_format=load_format)
+        self.vocab_size = self.vllm_config.model_config.get_vocab_size()
+        from vllm.attention.backends.torch_sdpa import TorchSDPAMetadataBuilder
+
+        self.attn_metadata_builder = TorchSDPAMetadataBuilder()
+
+    @property
+    def attention_layers(self) -> dict:
+        return self.model.attention_layers
+
+    def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Allocate one zeroed cache [2, num_blocks, block_size, kv_heads, head_size] per
+        attention layer and bind it (zeroed: padding lanes read block 0 behind a mask, and
+        0 * garbage could be NaN)."""
+        from vllm.attention.layer import bind_kv_cache
+
+        caches = {
+            name: torch.zeros((2, num_blocks, self.block_size, layer.num_kv_heads,
+                               layer.head_size), dtype=dtype, device=self.device)
+            for name, layer in self.attention_layers.items()}
+        bind_kv_cache(self.model, caches)
+        self.kv_caches = caches
+        return caches
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward at the full token budget without KV traffic (attention metadata None),
+        plus logits and sampling for max_num_seqs rows: the activation peak."""
+        from vllm.forward_context import set_forward_context
+
+        num_tokens = self.max_num_tokens
+        input_ids, positions = self.input_buffers.commit_tokens(0, num_tokens)
+        with set_forward_context(None, self.vllm_config, attn_layers=self.attention_layers):
+            hidden = self.model(input_ids, positions)
+        rows = torch.arange(min(self.max_num_reqs, num_tokens), device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        n = logits.shape[0]
+        self.sampler(logits, SamplingMetadata(
+            temperature=torch.ones(n, device=self.device), all_greedy=False, all_random=True,
+            top_k=torch.full((n,), logits.shape[1], device=self.device),
+            top_p=torch.ones(n, device=self.device), max_num_logprobs=1))
+
+    # ---- one step -----------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=new.prompt_token_ids,
+                token_ids=list(new.token_ids), sampling_params=new.sampling_params,
+                generator=new.generator, block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _dispatch(self, num_tokens: int, num_reqs: int,
+                  uniform_decode: bool) -> tuple[CUDAGraphMode, object, int]:
+        if self.cudagraph_dispatcher is None:
+            return CUDAGraphMode.NONE, None, num_tokens
+        return self.cudagraph_dispatcher.dispatch(num_tokens, num_reqs, uniform_decode)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        from vllm.forward_context import set_forward_context
+
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        bs = self.block_size
+        buffers = self.input_buffers
+        req_ids = list(so.num_scheduled_tokens)
+        num_tokens = so.total_num_scheduled_tokens
+        buffers.check_fits(num_tokens, len(req_ids))
+
+        query_lens, seq_lens, block_tables = [], [], []
+        slot_chunks = []
+        sample_req_ids, logits_indices = [], []
+        prompt_lp_rows: list[tuple[str, int, int, int]] = []  # (req, first row, first pos, n)
+        offset = 0
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            buffers.input_ids_np[offset:offset + n] = state.token_ids[start:end]
+            positions = np.arange(start, end, dtype=np.int64)
+            buffers.positions_np[offset:offset + n] = positions
+            block_ids = np.asarray(state.block_ids, dtype=np.int64)
+            slot_chunks.append(block_ids[positions // bs] * bs + positions % bs)
+            query_lens.append(n)
+            seq_lens.append(end)
+            block_tables.append(state.block_ids)
+            if state.sampling_params.prompt_logprobs is not None:
+                last = min(end, len(state.prompt_token_ids) - 1)
+                if last > start:
+                    prompt_lp_rows.append((req_id, offset, start, last - start))
+            if end == len(state.token_ids):
+                sample_req_ids.append(req_id)
+                logits_indices.append(offset + n - 1)
+            offset += n
+
+        uniform_decode = all(q == 1 for q in query_lens)
+        mode, batch_descriptor, num_padded = self._dispatch(num_tokens, len(req_ids),
+                                                            uniform_decode)
+        input_ids, positions = buffers.commit_tokens(num_tokens, num_padded)
+        slot_mapping = np.concatenate(slot_chunks).tolist()
+        attn_metadata = self.attn_metadata_builder.build(
+            query_lens, seq_lens, block_tables, slot_mapping,
+            num_padded_tokens=num_padded if num_padded != num_tokens else None,
+            device=self.device)
+        with set_forward_context(attn_metadata, self.vllm_config,
+                                 attn_layers=self.attention_layers,
+                                 cudagraph_runtime_mode=mode, batch_descriptor=batch_descriptor):
+            hidden = self.model(input_ids, positions)
+
+        output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={})
+        if sample_req_ids:
+            self._sample(hidden, sample_req_ids, logits_indices, output)
+        if prompt_lp_rows:
+            self._prompt_logprobs(hidden, prompt_lp_rows, output)
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            state.num_computed_tokens += so.num_scheduled_tokens[req_id]
+        return output
+
+    # ---- sampling -----------------------------------------------------------------------
+    def _sample(self, hidden: torch.Tensor, req_ids: list[str], logits_indices: list[int],
+                output: ModelRunnerOutput) -> None:
+        indices = self.input_buffers.commit_logits_indices(logits_indices)
+        logits = self.model.compute_logits(hidden[indices])
+        states = [self.requests[r] for r in req_ids]
+        metadata = self._sampling_metadata(states, logits.shape[-1])
+        result = self.sampler(logits, metadata)
+        sampled = result.sampled_token_ids.tolist()
+        lp = result.logprobs_tensors
+        lp_lists = None
+        if lp is not None:
+            lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist())
+        for row, (state, token) in enumerate(zip(states, sampled)):
+            state.token_ids.append(token)
+            output.sampled_token_ids[state.req_id] = token
+            k = state.sampling_params.logprobs
+            if k is not None and lp_lists is not None:
+                ids, lps, ranks = (x[row][:k + 1] for x in lp_lists)
+                output.logprobs[state.req_id] = LogprobsLists(ids, lps, ranks)
+
+    def _sampling_metadata(self, states: list[CachedRequestState],
+                           vocab_size: int) -> SamplingMetadata:
+        device = self.device
+        params = [s.sampling_params for s in states]
+        greedy = [p.temperature < 1e-5 for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        md = SamplingMetadata(
+            temperature=tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+                               torch.float32),
+            all_greedy=all_greedy, all_random=all_random)
+        if not all_greedy:
+            if not all_random:
+                md.greedy_mask = tensor(greedy, torch.bool)
+            if any(p.top_k > 0 for p in params):
+                md.top_k = tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                                  torch.int64)
+            if any(p.top_p < 1.0 for p in params):
+                md.top_p = tensor([p.top_p for p in params], torch.float32)
+            if any(p.min_p > 0.0 for p in params):
+                md.min_p = tensor([p.min_p for p in params], torch.float32)
+            md.generators = {i: s.generator for i, s in enumerate(states)
+                             if s.generator is not None and not greedy[i]}
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        md.max_num_logprobs = max(wanted) if wanted else None
+        rows, cols = [], []
+        for i, (state, p) in enumerate(zip(states, params)):
+            if state.num_output_tokens < p.min_tokens:
+                for token in p.all_stop_token_ids:
+                    if token < vocab_size:
+                        rows.append(i)
+                        cols.append(token)
+        if rows:
+            md.min_tokens_mask = (tensor(rows, torch.int64), tensor(cols, torch.int64))
+        if any(p.needs_penalties for p in params):
+            md.repetition_penalties = tensor([p.repetition_penalty for p in params],
+                                             torch.float32)
+            md.frequency_penalties = tensor([p.frequency_penalty for p in params],
+                                            torch.float32)
+            md.presence_penalties = tensor([p.presence_penalty for p in params], torch.float32)
+            md.prompt_token_ids = _pad([s.prompt_token_ids for s in states], vocab_size, device)
+            md.output_token_ids = _pad([s.token_ids[len(s.prompt_token_ids):] for s in states],
+                                       vocab_size, device)
+        return md
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[str, int, int, int]],
+                         output: ModelRunnerOutput) -> None:
+        """Logprobs of prompt tokens 1..P-1, predicted at positions 0..P-2."""
+        for req_id, first_row, first_pos, n in rows:
+            state = self.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            logits = self.model.compute_logits(hidden[first_row:first_row + n])
+            targets = torch.tensor(state.token_ids[first_pos + 1:first_pos + 1 + n],
+                                   device=self.device)
+            lp = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
+            ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            output.prompt_logprobs[req_id] = (
+                first_pos, [LogprobsLists(ids[i], lps[i], ranks[i]) for i in range(n)])
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max([len(r) for r in rows] + [1])
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64,
+                        device=device)

@@ -1,0 +1,149 @@
+"""Worker: one device. Loads the model, sizes and allocates the KV cache, runs steps."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm.engine.model_runner import ModelRunner
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
+
+logger = init_logger(__name__)
+
+GiB = 1024**3
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kv_cache_dtype(vllm_config: VllmConfig) -> torch.dtype:
+    name = vllm_config.cache_config.cache_dtype
+    return vllm_config.model_config.torch_dtype if name == "auto" else getattr(torch, name)
+
+
+def bytes_per_block(attention_layers: dict, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block, summed over the attention layers."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return sum(2 * block_size * layer.num_kv_heads * layer.head_size * elem
+               for layer in attention_layers.values())
+
+
+def determine_num_blocks(vllm_config: VllmConfig, block_bytes: int,
+                         available_bytes: int | None = None) -> tuple[int, str]:
+    """How many KV blocks to allocate (including the reserved block 0), and why.
+
+    `num_gpu_blocks_override` wins. Otherwise the CPU uses `cache_config.kv_cache_memory`
+    bytes (default: VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB), capped at what max_num_seqs
+    sequences of max_model_len can use; CUDA uses `available_bytes` (from
+    gpu_memory_utilization). Raises ValueError when one max-length sequence does not fit.
+    """
+    from vllm import envs
+
+    cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
+    blocks_per_seq = _cdiv(sc.max_model_len, cc.block_size)
+    needed = blocks_per_seq + 1  # + the reserved dummy block
+    cap = sc.max_num_seqs * blocks_per_seq + 1
+    if cc.num_gpu_blocks_override is not None:
+        num_blocks = cc.num_gpu_blocks_override
+        source = "num_gpu_blocks_override"
+        memory = num_blocks * block_bytes
+    elif available_bytes is not None:
+        memory = max(available_bytes, 0)
+        num_blocks = memory // block_bytes
+        source = (f"gpu_memory_utilization={cc.gpu_memory_utilization} leaves "
+                  f"{memory / GiB:.2f} GiB for the KV cache")
+    else:
+        if cc.kv_cache_memory is not None:
+            memory, source = int(cc.kv_cache_memory), "kv_cache_memory"
+        elif envs.VLLM_CPU_KVCACHE_SPACE is not None:
+            memory = int(envs.VLLM_CPU_KVCACHE_SPACE * GiB)
+            source = "VLLM_CPU_KVCACHE_SPACE"
+        else:
+            memory, source = DEFAULT_CPU_KV_CACHE_BYTES, "default 4 GiB"
+        num_blocks = memory // block_bytes
+        if num_blocks > cap:
+            num_blocks = cap
+            source += (f", capped at max_num_seqs ({sc.max_num_seqs}) x max_model_len "
+                       f"({sc.max_model_len})")
+    if num_blocks < needed:
+        raise ValueError(
+            f"The KV cache is too small for one sequence of max_model_len={sc.max_model_len}: "
+            f"{block_bytes} bytes per block of {cc.block_size} tokens, {needed} blocks needed "
+            f"({blocks_per_seq} + 1 reserved), {num_blocks} available ({source}; "
+            f"{memory / GiB:.3f} GiB). Give the cache more memory (kv_cache_memory / "
+            "VLLM_CPU_KVCACHE_SPACE on the CPU, gpu_memory_utilization on CUDA, or "
+            "num_gpu_blocks_override) or lower max_model_len.")
+    return num_blocks, source
+
+
+class Worker:
+    def __init__(self, vllm_config: VllmConfig, rank: int = 0, local_rank: int = 0) -> None:
+        self.vllm_config = vllm_config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.platform = vllm_config.platform
+        self.model_runner: ModelRunner | None = None
+        self.num_blocks = 0
+
+    def init_device(self) -> None:
+        self.platform.verify_can_run()
+        device = self.platform.torch_device()
+        if device.type == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        torch.manual_seed(self.vllm_config.model_config.seed)
+        self.model_runner = ModelRunner(self.vllm_config, device)
+
+    def load_model(self, load_format: str = "auto") -> None:
+        self.model_runner.load_model(load_format)
+
+    def determine_num_blocks(self) -> int:
+        runner = self.model_runner
+        dtype = kv_cache_dtype(self.vllm_config)
+        block_bytes = bytes_per_block(runner.attention_layers,
+                                      self.vllm_config.cache_config.block_size, dtype)
+        available = None
+        if self.device.type == "cuda" and \
+                self.vllm_config.cache_config.num_gpu_blocks_override is None:
+            available = self._cuda_available_kv_bytes()
+        num_blocks, source = determine_num_blocks(self.vllm_config, block_bytes, available)
+        self.block_bytes = block_bytes
+        self.kv_source = source
+        return num_blocks
+
+    def _cuda_available_kv_bytes(self) -> int:
+        """total * gpu_memory_utilization - memory in use after loading the weights - the
+        activation peak of a full-budget forward."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        self.model_runner.profile_run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        budget = int(total * self.vllm_config.cache_config.gpu_memory_utilization)
+        logger.info("CUDA memory: %.2f GiB total, %.2f GiB in use after loading, activation "
+                    "peak %.2f GiB", total / GiB, used / GiB, peak / GiB)
+        return budget - used - peak
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.model_runner.initialize_kv_cache(num_blocks, kv_cache_dtype(self.vllm_config))
+
+    def compile_or_warm_up_model(self) -> None:
+        """Compile / capture CUDA graphs where the level asks for it (the runner's hook)."""
+        warm_up = getattr(self.model_runner, "capture_model", None)
+        if warm_up is not None:
+            warm_up()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)

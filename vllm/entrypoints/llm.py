@@ -1,0 +1,126 @@
+"""`LLM`: offline batched generation over LLMEngine (`from vllm import LLM`)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.engine.llm_engine import LLMEngine, PromptType
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """An engine for offline inference.
+
+    `LLM(model="./m", optimization_level=1, max_model_len=512, ...)` takes every EngineArgs
+    field as a keyword (plus `load_format="auto"|"dummy"`); `generate` and `chat` run batches
+    to completion and return RequestOutputs in input order.
+    """
+
+    def __init__(self, model: str, *, load_format: str = "auto", **kwargs: Any) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+
+        valid = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise ValueError(f"LLM() got unknown engine arguments {unknown}; valid ones: "
+                             + ", ".join(sorted(valid | {'load_format'})))
+        # Offline use logs no periodic stats unless asked (as upstream).
+        kwargs.setdefault("disable_log_stats", True)
+        engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, load_format=load_format)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.get_default_sampling_params()
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list (str, {"prompt": ...} or
+        {"prompt_token_ids": [...]}); `sampling_params` is one for all or one per prompt.
+        Every prompt is validated before anything runs: a bad one raises ValueError naming
+        its index."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} "
+                                 "prompts; pass one, or one per prompt")
+        processed = []
+        engine = self.llm_engine
+        for index, prompt in enumerate(prompts):
+            try:
+                text, token_ids = engine.process_prompt(prompt)
+            except ValueError as exc:
+                raise ValueError(f"prompt {index}: {exc}") from None
+            processed.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self._run(processed, params_list, use_tqdm)
+
+    def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a
+        list of conversations, rendered with the tokenizer's chat template."""
+        if not messages:
+            raise ValueError("chat() needs at least one message")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template=... or "
+                             "use generate()")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            # The template already holds the special tokens (BOS): do not add them twice.
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[dict], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            request_id = str(next(self._request_counter))
+            engine.add_request(request_id, prompt, params)
+            order[request_id] = index
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
