@@ -1,0 +1,137 @@
+"""Tiny random-weight Hugging Face checkpoints for tests (reusable by every test package).
+
+Each `make_*` writes a complete model folder (config.json, *.safetensors, tokenizer files)
+with transformers' own classes, in float32, seeded for determinism, and returns the path:
+
+    path = make_llama(tmp_path / "llama", tie_word_embeddings=True)
+    path = make_llama(tmp_path / "sharded", max_shard_size="40KB")   # index + several shards
+    path = make_llama(tmp_path / "l3", rope_scaling=LLAMA3_ROPE_SCALING)
+
+Keyword overrides go to the transformers config class. `tokenizer=False` skips the tokenizer.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "initializer_range": 0.1,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 (match TINY's pad/bos/eos ids)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+_TEXT = """\
+The quick brown fox jumps over the lazy dog while the cat watches from the window.
+A language model predicts the next token from the tokens that came before it.
+Paged attention stores keys and values in fixed-size blocks, so memory is not wasted.
+Continuous batching adds new requests to the running batch as soon as others finish.
+Chunked prefill splits a long prompt into pieces that share a step with decodes.
+Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 and symbols like + - * / = ( ) [ ] { } .
+The scheduler decides which requests run in each step under a budget of tokens.
+Hello world! How are you today? I am fine, thank you. What is the capital of France?
+Paris is the capital of France, Berlin of Germany, Rome of Italy and Madrid of Spain.
+def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n
+"""
+
+
+def _settings(overrides: dict[str, Any]) -> dict[str, Any]:
+    settings = dict(TINY)
+    settings.update(overrides)
+    return settings
+
+
+def _save(model_cls: Any, config: Any, path: Any, seed: int, max_shard_size: str | None,
+          tokenizer: bool) -> str:
+    path = str(path)
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    if tokenizer:
+        make_tokenizer(path, config.vocab_size)
+    return path
+
+
+def make_llama(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+               tokenizer: bool = True, **overrides: Any) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save(LlamaForCausalLM, LlamaConfig(**_settings(overrides)), path, seed,
+                 max_shard_size, tokenizer)
+
+
+def make_qwen2(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+               tokenizer: bool = True, **overrides: Any) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save(Qwen2ForCausalLM, Qwen2Config(**_settings(overrides)), path, seed,
+                 max_shard_size, tokenizer)
+
+
+def make_qwen3(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+               tokenizer: bool = True, **overrides: Any) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    settings = _settings({"head_dim": 16, **overrides})
+    return _save(Qwen3ForCausalLM, Qwen3Config(**settings), path, seed, max_shard_size,
+                 tokenizer)
+
+
+def make_mixtral(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+                 tokenizer: bool = True, **overrides: Any) -> str:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    settings = _settings({"intermediate_size": 96, "num_local_experts": 4,
+                          "num_experts_per_tok": 2, **overrides})
+    return _save(MixtralForCausalLM, MixtralConfig(**settings), path, seed, max_shard_size,
+                 tokenizer)
+
+
+MAKERS = {"llama": make_llama, "qwen2": make_qwen2, "qwen3": make_qwen3,
+          "mixtral": make_mixtral}
+
+
+def make_tokenizer(path: Any, vocab_size: int = 384) -> str:
+    """A byte-level BPE tokenizer trained on a few KB of text (every byte is encodable), with
+    <pad>=0, <s>=1, </s>=2 and a tiny chat template, saved as a HF tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"a byte-level tokenizer needs vocab_size >= "
+                         f"{256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([_TEXT] * 8, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return str(path)
+
+
+def make_mistral(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+                 tokenizer: bool = True, **overrides: Any) -> str:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    settings = _settings({"sliding_window": None, "head_dim": 16, **overrides})
+    return _save(MistralForCausalLM, MistralConfig(**settings), path, seed, max_shard_size,
+                 tokenizer)
+
+
+MAKERS["mistral"] = make_mistral

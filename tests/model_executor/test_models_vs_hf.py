@@ -1,0 +1,165 @@
+"""Our models give transformers' logits: batched prefill, decode over the paged KV cache,
+chunked prefill in a mixed batch, padding lanes; tied, sharded and llama3-RoPE checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.model_executor.hf_checkpoints import LLAMA3_ROPE_SCALING, MAKERS
+from tests.model_executor.paged_runner import PagedRunner
+from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
+from vllm.model_executor.model_loader import get_model
+
+ATOL = 1e-4
+VOCAB = 384
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Lazily created checkpoint folders, one per (name, variant)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    made: dict[str, str] = {}
+
+    def get(name: str, **overrides) -> str:
+        key = name + json.dumps(overrides, sort_keys=True)
+        if key not in made:
+            maker = MAKERS[name.split("-")[0]]
+            made[key] = maker(root / f"{name}-{len(made)}", tokenizer=False, **overrides)
+        return made[key]
+
+    return get
+
+
+def build(path: str, block_size: int = 16, custom_ops: list[str] | None = None):
+    """Our model for the folder at -O0 (eager), float32."""
+    cc = CompilationConfig(custom_ops=custom_ops) if custom_ops else CompilationConfig()
+    config = VllmConfig(model_config=ModelConfig(model=path, dtype="float32"),
+                        cache_config=CacheConfig(block_size=block_size),
+                        compilation_config=cc, optimization_level=0)
+    return get_model(config), config
+
+
+@torch.inference_mode()
+def hf_logits(path: str, sequences: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return {key: model(torch.tensor([seq])).logits[0].float() for key, seq in sequences.items()}
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=generator).tolist()
+
+
+def run_scenario(path: str, block_size: int) -> None:
+    """Step 1: three prompts and the first chunk of a fourth, with padding lanes.
+    Step 2: the fourth prompt's second chunk (cached context) mixed with three decodes.
+    Steps 3-4: pure decode batches, reordered, then padded."""
+    prompts = {"a": random_tokens(7, 1), "b": random_tokens(19, 2), "c": random_tokens(34, 3),
+               "d": random_tokens(30, 4)}
+    extra = {key: random_tokens(3, 10 + i) for i, key in enumerate(prompts)}
+    full = {key: prompts[key] + extra[key] for key in prompts}
+    reference = hf_logits(path, full)
+    model, config = build(path, block_size)
+    runner = PagedRunner(model, config, block_size=block_size)
+
+    def check(out, offsets):
+        for key, logits in out.items():
+            start = offsets[key]
+            expected = reference[key][start:start + logits.shape[0]]
+            torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0,
+                                       msg=lambda m, k=key: f"request {k}: {m}")
+
+    a, b, c, d = (prompts[k] for k in "abcd")
+    check(runner.step([("a", a), ("b", b), ("c", c), ("d", d[:12])], num_padding=3),
+          {"a": 0, "b": 0, "c": 0, "d": 0})
+    check(runner.step([("d", d[12:]), ("a", extra["a"][:1]), ("b", extra["b"][:1]),
+                       ("c", extra["c"][:1])]),
+          {"d": 12, "a": 7, "b": 19, "c": 34})
+    # "d" finished its prompt in step 2: its decode tokens start one step later.
+    step = {"a": 1, "b": 1, "c": 1, "d": 0}
+    check(runner.step([(k, extra[k][step[k]:step[k] + 1]) for k in "cbad"]),
+          {"a": 8, "b": 20, "c": 35, "d": 30})
+    check(runner.step([(k, extra[k][step[k] + 1:step[k] + 2]) for k in "abcd"], num_padding=2),
+          {"a": 9, "b": 21, "c": 36, "d": 31})
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral"])
+def test_prefill_decode_chunked_match_transformers(checkpoints, arch, block_size):
+    run_scenario(checkpoints(arch), block_size)
+
+
+def test_mistral_uses_llama_class(checkpoints):
+    path = checkpoints("mistral")
+    run_scenario(path, 16)
+    model, _ = build(path)
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_tied_embeddings(checkpoints):
+    path = checkpoints("llama", tie_word_embeddings=True)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    model, _ = build(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    run_scenario(path, 16)
+
+
+def test_sharded_checkpoint(checkpoints):
+    path = checkpoints("llama", max_shard_size="60KB")
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        shards = set(json.load(f)["weight_map"].values())
+    assert len(shards) > 1
+    run_scenario(path, 16)
+
+
+def test_llama3_rope_scaling(checkpoints):
+    path = checkpoints("llama", rope_scaling=LLAMA3_ROPE_SCALING)
+    model, _ = build(path)
+    assert type(model.model.layers[0].self_attn.rotary_emb).__name__ == "Llama3RotaryEmbedding"
+    run_scenario(path, 4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+def test_custom_ops_all_vs_none(checkpoints, arch):
+    path = checkpoints(arch)
+    prompt = random_tokens(21, 5)
+    results = {}
+    for mode in ("all", "none"):
+        model, config = build(path, custom_ops=[mode])
+        norm = model.model.norm
+        expected = "forward_cpu" if mode == "all" else "forward_native"
+        assert norm._forward_method.__name__ == expected
+        runner = PagedRunner(model, config)
+        results[mode] = (runner.step([("p", prompt)])["p"], runner.step([("p", [5])])["p"])
+    for got_all, got_none in zip(results["all"], results["none"]):
+        torch.testing.assert_close(got_all, got_none, atol=1e-5, rtol=0)
+
+
+def test_dummy_load_format(checkpoints, tmp_path):
+    path = checkpoints("qwen3")
+    folder = tmp_path / "config-only"  # dummy weights need only config.json
+    folder.mkdir()
+    (folder / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="float32"),
+                        optimization_level=0)
+    model = get_model(config, load_format="dummy")
+    logits = PagedRunner(model, config).step([("p", random_tokens(9, 7))])["p"]
+    assert logits.shape == (9, VOCAB) and torch.isfinite(logits).all()
+    again = get_model(config, load_format="dummy")  # seeded: the same weights
+    torch.testing.assert_close(again.lm_head.weight, model.lm_head.weight)

@@ -1,0 +1,1 @@
+"""Attention backends (imported lazily through vllm.attention.selector)."""

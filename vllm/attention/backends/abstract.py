@@ -1,0 +1,87 @@
+"""The attention backend interface: metadata, its builder, the kernel, the KV cache layout."""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+
+class AttentionCGSupport(enum.Enum):
+    """Which batches a backend can run inside a full CUDA graph."""
+
+    NEVER = 0  # per-batch host-side decisions: only piecewise graphs (attention runs eagerly)
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+class AttentionMetadata:
+    """Per-batch data every attention layer of one forward shares (built once per step)."""
+
+
+class AttentionImpl(ABC):
+    """Computes attention for one layer: writes the new K/V into its paged cache, then reads
+    the cache. Tensors: query [T, num_heads*head_size], key/value [T, num_kv_heads*head_size],
+    output [T, num_heads*head_size] (written in place)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None, **kwargs: Any) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+
+    @abstractmethod
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AttentionMetadataBuilder(ABC):
+    @abstractmethod
+    def build(self, *args: Any, **kwargs: Any) -> AttentionMetadata:
+        raise NotImplementedError
+
+
+class AttentionBackend(ABC):
+    """A family of attention kernels and the data they need."""
+
+    accept_output_buffer: ClassVar[bool] = True
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        raise NotImplementedError
+
+    @staticmethod
+    @abstractmethod
+    def get_metadata_cls() -> type[AttentionMetadata]:
+        raise NotImplementedError
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        raise NotImplementedError
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        """The layout of one layer's cache: K and V stacked on the first dimension."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size > 0

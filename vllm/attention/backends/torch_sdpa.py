@@ -1,0 +1,231 @@
+"""Paged attention in plain PyTorch: write K/V by slot index, gather by block table, SDPA.
+
+Runs on any device torch runs on. KV cache of one layer: [2, num_blocks, block_size,
+num_kv_heads, head_size]. Block 0 is the engine's reserved dummy block: padding lanes write
+there and padded block-table entries point there; no live query ever reads it (every read is
+masked by the request's sequence length).
+
+Strategy (the op is opaque to Dynamo, so host-side lists may steer it):
+- decode requests (one query token) are batched: their blocks are gathered into
+  [B, max_len, kv_heads, head_size] and attended with a length mask in one SDPA call;
+- other requests run one SDPA call each: a fresh prompt (no cached context) attends to its
+  own K/V with `is_causal`; a chunk with cached context reads the cache with an offset mask
+  (query i at absolute position context_len + i sees cache positions <= context_len + i).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+)
+
+DUMMY_BLOCK_ID = 0
+
+
+@dataclass
+class TorchSDPAMetadata(AttentionMetadata):
+    num_actual_tokens: int
+    """Tokens of the batch before padding (lanes past it are padding)."""
+    num_reqs: int
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] int64: cumulative query lengths (request i's tokens are
+    query_start_loc[i]:query_start_loc[i+1])."""
+    seq_lens: torch.Tensor
+    """[num_reqs] int64: cached context + new tokens of each request."""
+    block_table: torch.Tensor
+    """[num_reqs, max_blocks_per_req] int32/int64, rows padded with the dummy block 0."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: block_id * block_size + offset; padding lanes point into block 0."""
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Device index tensors derived once per batch and shared by all layers."""
+
+
+class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
+    """Builds TorchSDPAMetadata from the scheduler's per-request host lists."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def build(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              slot_mapping: list[int], num_padded_tokens: int | None = None,
+              device: torch.device | str = "cpu") -> TorchSDPAMetadata:
+        num_reqs = len(query_lens)
+        if len(seq_lens) != num_reqs or len(block_tables) != num_reqs:
+            raise ValueError(f"query_lens ({num_reqs}), seq_lens ({len(seq_lens)}) and "
+                             f"block_tables ({len(block_tables)}) must have one entry per request")
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+            if q < 0 or s < q:
+                raise ValueError(f"request {i}: query_len {q} and seq_len {s} must satisfy "
+                                 "0 <= query_len <= seq_len")
+        num_actual = sum(query_lens)
+        if len(slot_mapping) != num_actual:
+            raise ValueError(f"slot_mapping has {len(slot_mapping)} entries for {num_actual} "
+                             "tokens")
+        num_tokens = num_actual if num_padded_tokens is None else num_padded_tokens
+        if num_tokens < num_actual:
+            raise ValueError(f"num_padded_tokens ({num_tokens}) is smaller than the number of "
+                             f"tokens ({num_actual})")
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        width = max([len(row) for row in block_tables] + [1])
+        table = [list(row) + [DUMMY_BLOCK_ID] * (width - len(row)) for row in block_tables]
+        slots = list(slot_mapping) + [DUMMY_BLOCK_ID] * (num_tokens - num_actual)
+        return TorchSDPAMetadata(
+            num_actual_tokens=num_actual, num_reqs=num_reqs,
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int64, device=device),
+            block_table=torch.tensor(table, dtype=torch.int32, device=device).view(
+                num_reqs, width),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+
+
+@dataclass
+class _DecodePlan:
+    token_index: torch.Tensor | slice  # rows of q/output holding the decode tokens
+    block_table: torch.Tensor  # [B, max_blocks] int64
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass
+class _Plan:
+    decode: _DecodePlan | None
+    others: list[tuple[int, int, int, int]]  # (request, start, query_len, seq_len), q_len > 1
+
+
+def _make_plan(md: TorchSDPAMetadata, block_size: int, device: torch.device) -> _Plan:
+    starts = [0]
+    for q in md.query_lens_cpu:
+        starts.append(starts[-1] + q)
+    decodes = [i for i, q in enumerate(md.query_lens_cpu) if q == 1]
+    others = [(i, starts[i], q, md.seq_lens_cpu[i]) for i, q in enumerate(md.query_lens_cpu)
+              if q > 1]
+    decode = None
+    if decodes:
+        num_blocks = -(-max(md.seq_lens_cpu[i] for i in decodes) // block_size)
+        tokens = [starts[i] for i in decodes]
+        if tokens == list(range(tokens[0], tokens[0] + len(tokens))):
+            token_index: torch.Tensor | slice = slice(tokens[0], tokens[0] + len(tokens))
+        else:
+            token_index = torch.tensor(tokens, dtype=torch.int64, device=device)
+        if decodes == list(range(len(decodes))):
+            table = md.block_table[:len(decodes), :num_blocks]
+            lens = md.seq_lens[:len(decodes)]
+        else:
+            reqs = torch.tensor(decodes, dtype=torch.int64, device=device)
+            table = md.block_table[reqs, :num_blocks]
+            lens = md.seq_lens[reqs]
+        positions = torch.arange(num_blocks * block_size, device=device)
+        mask = (positions.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        decode = _DecodePlan(token_index, table.to(torch.int64), mask)
+    return _Plan(decode, others)
+
+
+class TorchSDPAImpl(AttentionImpl):
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata,
+                output: torch.Tensor) -> torch.Tensor:
+        md = attn_metadata
+        num_tokens = query.shape[0]
+        heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
+        q = query.view(num_tokens, heads, head_size)
+        k = key.view(num_tokens, kv_heads, head_size)
+        v = value.view(num_tokens, kv_heads, head_size)
+        out = output.view(num_tokens, heads, head_size)
+        if kv_cache.numel() == 0:
+            raise RuntimeError(f"attention layer {getattr(layer, 'layer_name', '?')!r} has no KV "
+                               "cache: bind one with vllm.attention.layer.bind_kv_cache()")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache tensor must be contiguous "
+                             "[2, num_blocks, block_size, num_kv_heads, head_size]")
+        _, num_blocks, block_size = kv_cache.shape[:3]
+        flat_cache = kv_cache.view(2, num_blocks * block_size, kv_heads, head_size)
+        num_slots = min(num_tokens, md.slot_mapping.shape[0])
+        slots = md.slot_mapping[:num_slots]
+        flat_cache[0].index_copy_(0, slots, k[:num_slots].to(kv_cache.dtype))
+        flat_cache[1].index_copy_(0, slots, v[:num_slots].to(kv_cache.dtype))
+        if md.num_actual_tokens < num_tokens:
+            out[md.num_actual_tokens:].zero_()
+
+        plan = md._plans.get(block_size)
+        if plan is None:
+            plan = md._plans[block_size] = _make_plan(md, block_size, query.device)
+        gqa = heads != kv_heads
+        if plan.decode is not None:
+            self._decode(q, out, kv_cache, plan.decode, gqa)
+        for req, start, query_len, seq_len in plan.others:
+            self._prefill(q, k, v, out, kv_cache, md, req, start, query_len, seq_len, gqa)
+        return output
+
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                plan: _DecodePlan, gqa: bool) -> None:
+        batch, num_blocks = plan.block_table.shape
+        block_size = kv_cache.shape[2]
+        # [B, blocks, block_size, kv_heads, hd] -> [B, kv_heads, blocks*block_size, hd]
+        keys = kv_cache[0][plan.block_table].view(batch, num_blocks * block_size,
+                                                  self.num_kv_heads, self.head_size)
+        values = kv_cache[1][plan.block_table].view_as(keys)
+        queries = q[plan.token_index].unsqueeze(2)  # [B, heads, 1, hd]
+        result = F.scaled_dot_product_attention(
+            queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            attn_mask=plan.mask, scale=self.scale, enable_gqa=gqa)
+        out[plan.token_index] = result.squeeze(2)
+
+    def _prefill(self, q, k, v, out, kv_cache, md, req, start, query_len, seq_len,
+                 gqa) -> None:
+        end = start + query_len
+        queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, ql, hd]
+        context_len = seq_len - query_len
+        if context_len == 0:
+            keys, values = k[start:end], v[start:end]
+            mask, causal = None, True
+        else:
+            num_blocks = -(-seq_len // kv_cache.shape[2])
+            blocks = md.block_table[req, :num_blocks].to(torch.int64)
+            keys = kv_cache[0][blocks].flatten(0, 1)[:seq_len]
+            values = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
+            rows = torch.arange(query_len, device=q.device).unsqueeze(1) + context_len
+            mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= rows
+            causal = False
+        result = F.scaled_dot_product_attention(
+            queries, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            values.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal,
+            scale=self.scale, enable_gqa=gqa)
+        out[start:end] = result.squeeze(0).transpose(0, 1)
+
+
+class TorchSDPABackend(AttentionBackend):
+    accept_output_buffer = True
+    cudagraph_support = AttentionCGSupport.NEVER
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_SDPA"
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchSDPAImpl]:
+        return TorchSDPAImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TorchSDPAMetadata]:
+        return TorchSDPAMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
+        return TorchSDPAMetadataBuilder

@@ -1,0 +1,128 @@
+"""The Attention layer and the attention custom op, the split point of piecewise compilation.
+
+`Attention.forward(q, k, v)` calls `torch.ops.vllm.unified_attention_with_output`, an opaque
+op to Dynamo: the compiled graph is split around it, and at run time it reads the batch's
+attention metadata and the layer (with its KV cache) from the forward context.
+"""
+import torch
+import torch.nn as nn
+
+from vllm.forward_context import get_forward_context
+
+ATTENTION_OP_NAME = "vllm::unified_attention_with_output"
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over this layer's paged KV cache.
+
+    num_heads / num_kv_heads are this rank's head counts; `prefix` is the layer name
+    (e.g. "model.layers.0.self_attn.attn"), unique in the model: the key of
+    `model.attention_layers`, of the forward context's `attn_layers` and of `bind_kv_cache`.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None, cache_config=None, quant_config=None,
+                 prefix: str = "", attn_backend=None) -> None:
+        super().__init__()
+        del quant_config
+        if not prefix:
+            raise ValueError("Attention needs its layer name as `prefix` "
+                             "(e.g. 'model.layers.0.self_attn.attn')")
+        self.layer_name = prefix
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.scale = float(scale)
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config()
+        if cache_config is None and config is not None:
+            cache_config = config.cache_config
+        self.block_size = getattr(cache_config, "block_size", None)
+        if attn_backend is None:
+            from vllm.attention.selector import get_attn_backend
+
+            attn_backend = get_attn_backend(head_size, torch.get_default_dtype(),
+                                            block_size=self.block_size)
+        self.attn_backend = attn_backend
+        self.impl = attn_backend.get_impl_cls()(self.num_heads, head_size, self.scale,
+                                                self.num_kv_heads)
+        # A plain attribute (not a buffer): the engine binds the real cache with
+        # bind_kv_cache(); built on the CPU so meta-device construction leaves it usable.
+        self.kv_cache = torch.empty(0, device="cpu")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        """query [T, num_heads*head_size], key/value [T, num_kv_heads*head_size] ->
+        [T, num_heads*head_size]."""
+        output = torch.empty_like(query)
+        torch.ops.vllm.unified_attention_with_output(query, key, value, output, self.layer_name)
+        return output
+
+    def get_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.attn_backend.get_kv_cache_shape(num_blocks, block_size, self.num_kv_heads,
+                                                    self.head_size)
+
+    def extra_repr(self) -> str:
+        return (f"layer_name={self.layer_name!r}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"backend={self.attn_backend.get_name()}")
+
+
+@torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=("output",))
+def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  output: torch.Tensor, layer_name: str) -> None:
+    context = get_forward_context()
+    layer = context.attn_layers.get(layer_name)
+    if layer is None:
+        raise KeyError(f"attention layer {layer_name!r} is not in the forward context's "
+                       "attn_layers; pass attn_layers=model.attention_layers to "
+                       "set_forward_context()")
+    metadata = context.attn_metadata
+    if isinstance(metadata, dict):
+        metadata = metadata.get(layer_name)
+    if metadata is None:  # a dummy / profiling run: no KV cache traffic
+        output.zero_()
+        return
+    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output)
+
+
+@unified_attention_with_output.register_fake
+def _unified_attention_with_output_fake(query: torch.Tensor, key: torch.Tensor,
+                                        value: torch.Tensor, output: torch.Tensor,
+                                        layer_name: str) -> None:
+    return None
+
+
+def collect_attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """{layer_name: Attention} for every Attention module in `model` (names must be unique)."""
+    layers: dict[str, Attention] = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.layer_name in layers and layers[module.layer_name] is not module:
+                raise ValueError(f"two attention layers share the name {module.layer_name!r}")
+            layers[module.layer_name] = module
+    return layers
+
+
+def bind_kv_cache(model: nn.Module | dict[str, Attention],
+                  kv_caches: dict[str, torch.Tensor]) -> None:
+    """Give every attention layer its KV cache tensor
+    [2, num_blocks, block_size, num_kv_heads, head_size] (block 0 is the dummy block)."""
+    if isinstance(model, dict):
+        layers = model
+    else:
+        layers = getattr(model, "attention_layers", None) or collect_attention_layers(model)
+    missing = sorted(set(layers) - set(kv_caches))
+    unknown = sorted(set(kv_caches) - set(layers))
+    if missing or unknown:
+        raise ValueError(f"bind_kv_cache: layers without a cache: {missing}; caches for unknown "
+                         f"layers: {unknown}")
+    for name, layer in layers.items():
+        cache = kv_caches[name]
+        if (cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3] != layer.num_kv_heads
+                or cache.shape[4] != layer.head_size):
+            raise ValueError(
+                f"KV cache of {name!r} has shape {tuple(cache.shape)}; expected [2, num_blocks, "
+                f"block_size, {layer.num_kv_heads}, {layer.head_size}]")
+        layer.kv_cache = cache

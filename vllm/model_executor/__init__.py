@@ -1,0 +1,1 @@
+"""Models, layers and the loader (import submodules directly; nothing heavy loads here)."""

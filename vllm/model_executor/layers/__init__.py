@@ -1,0 +1,1 @@
+"""Layers: linear (tensor parallel), RMSNorm, SiluAndMul, rotary, embeddings, logits, MoE."""

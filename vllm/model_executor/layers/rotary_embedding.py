@@ -1,0 +1,168 @@
+"""Rotary position embeddings (neox style) with a precomputed cos/sin cache.
+
+`RotaryEmbedding.forward(positions [T], query [T, nq*hd], key [T, nk*hd]) -> (query, key)`
+rotates the first `rotary_dim` channels of every head by the angle of its token's absolute
+position. The cache is a float32 buffer `cos_sin_cache [max_position, rotary_dim]` (cos then
+sin, each `rotary_dim // 2` wide), indexed with `positions`: no Python branching on values.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from vllm.model_executor.custom_op import CustomOp
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@CustomOp.register("rotary_embedding")
+class RotaryEmbedding(CustomOp):
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int,
+                 base: float, is_neox_style: bool = True) -> None:
+        super().__init__()
+        if rotary_dim % 2 or rotary_dim > head_size:
+            raise ValueError(f"rotary_dim ({rotary_dim}) must be even and at most head_size "
+                             f"({head_size})")
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.base = float(base)
+        self.is_neox_style = is_neox_style
+        # Built on the CPU in float32 even when the model is built on the meta device: the
+        # loader moves it to the target device with the weights.
+        self.register_buffer("cos_sin_cache", self._compute_cos_sin_cache(), persistent=False)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu")
+        return 1.0 / (self.base ** (exponents.to(torch.float32) / self.rotary_dim))
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        inv_freq = self._compute_inv_freq()
+        t = torch.arange(self.max_position_embeddings, dtype=torch.int64, device="cpu")
+        freqs = torch.outer(t.to(torch.float32), inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: D401 - keep the cache in float32
+        cache = self.cos_sin_cache
+        result = super()._apply(fn, recurse)
+        if self.cos_sin_cache.dtype != torch.float32:
+            self.cos_sin_cache = cache.to(device=self.cos_sin_cache.device)
+        return result
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, head_size]; cos/sin [T, 1, rotary_dim // 2]
+        rot = x[..., :self.rotary_dim]
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        if self.is_neox_style:
+            out = torch.cat((o1, o2), dim=-1)
+        else:
+            out = torch.stack((o1, o2), dim=-1).flatten(-2)
+        if self.rotary_dim < self.head_size:
+            out = torch.cat((out, x[..., self.rotary_dim:]), dim=-1)
+        return out
+
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor,
+                       key: torch.Tensor | None = None):
+        cos_sin = self.cos_sin_cache.index_select(0, positions.flatten())
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        cos = cos.unsqueeze(-2).to(query.dtype)
+        sin = sin.unsqueeze(-2).to(query.dtype)
+        num_tokens = positions.shape[0]
+        q_shape = query.shape
+        query = self._rotate(query.view(num_tokens, -1, self.head_size), cos, sin).view(q_shape)
+        if key is None:
+            return query, None
+        k_shape = key.shape
+        key = self._rotate(key.view(num_tokens, -1, self.head_size), cos, sin).view(k_shape)
+        return query, key
+
+    def extra_repr(self) -> str:
+        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
+                f"max_position_embeddings={self.max_position_embeddings}, base={self.base}, "
+                f"is_neox_style={self.is_neox_style}")
+
+
+class LinearScalingRotaryEmbedding(RotaryEmbedding):
+    """Positions divided by `scaling_factor` (rope type "linear")."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int,
+                 base: float, is_neox_style: bool, scaling_factor: float) -> None:
+        self.scaling_factor = float(scaling_factor)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        return super()._compute_inv_freq() / self.scaling_factor
+
+
+class Llama3RotaryEmbedding(RotaryEmbedding):
+    """Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones are
+    kept, and the band between is interpolated smoothly."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int,
+                 base: float, is_neox_style: bool, factor: float, low_freq_factor: float,
+                 high_freq_factor: float, original_max_position: int) -> None:
+        self.factor = float(factor)
+        self.low_freq_factor = float(low_freq_factor)
+        self.high_freq_factor = float(high_freq_factor)
+        self.original_max_position = int(original_max_position)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        inv_freq = super()._compute_inv_freq()
+        old_len = self.original_max_position
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen = old_len / self.low_freq_factor
+        high_freq_wavelen = old_len / self.high_freq_factor
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(in_band, smoothed, scaled)
+
+
+def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, scaling parameters or None, partial_rotary_factor) from a HF config.
+
+    Reads transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    theta = float(params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", 10000.0))
+    partial = params.pop("partial_rotary_factor", None)
+    if partial is None:
+        partial = getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    return theta, (None if rope_type == "default" else params), float(partial)
+
+
+def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
+             rope_scaling: dict[str, Any] | None = None,
+             is_neox_style: bool = True) -> RotaryEmbedding:
+    """Build the rotary embedding for `rope_scaling` (None / "default", "linear", "llama3")."""
+    if not rope_scaling:
+        return RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style)
+    rope_type = rope_scaling.get("rope_type") or rope_scaling.get("type") or "default"
+    if rope_type == "default":
+        return RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style)
+    if rope_type == "linear":
+        return LinearScalingRotaryEmbedding(head_size, rotary_dim, max_position, base,
+                                            is_neox_style, rope_scaling["factor"])
+    if rope_type == "llama3":
+        return Llama3RotaryEmbedding(
+            head_size, rotary_dim, max_position, base, is_neox_style,
+            factor=rope_scaling["factor"], low_freq_factor=rope_scaling["low_freq_factor"],
+            high_freq_factor=rope_scaling["high_freq_factor"],
+            original_max_position=rope_scaling["original_max_position_embeddings"])
+    raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: "
+                     + ", ".join(_SUPPORTED_ROPE_TYPES))

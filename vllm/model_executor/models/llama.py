@@ -1,0 +1,264 @@
+"""Llama family (Llama 2/3, Mistral-style configs): the decoder blocks other models reuse.
+
+Interface of every `*ForCausalLM` here:
+  forward(input_ids [T], positions [T]) -> hidden_states [T, hidden]   (flattened batch)
+  compute_logits(hidden_states [N, hidden]) -> logits [N, vocab] float32
+  load_weights(iterable of (checkpoint name, tensor)) -> set of loaded parameter keys
+  attention_layers: {layer_name: Attention}
+Subclasses change parts through hooks: `LlamaAttention._qk_norm`, `LlamaDecoderLayer`'s
+`_init_mlp` / `_mlp`, and the class attributes `model_cls` / `layer_cls` / `attention_cls`.
+"""
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from vllm.attention.layer import Attention, collect_attention_layers
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
+from vllm.model_executor.layers.activation import get_act_and_mul_fn
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_config
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+
+logger = init_logger(__name__)
+
+# Checkpoint tensors that are not parameters (buffers some exporters wrote).
+SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached",
+                           "rotary_emb.sin_cached")
+
+
+def maybe_prefix(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
+                 bias: bool = False, quant_config: Any = None, prefix: str = "") -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, quant_config=quant_config,
+            prefix=maybe_prefix(prefix, "gate_up_proj"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           quant_config=quant_config,
+                                           prefix=maybe_prefix(prefix, "down_proj"))
+        self.act_fn = get_act_and_mul_fn(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, qkv_bias: bool = False,
+                 o_bias: bool = False, cache_config: Any = None, quant_config: Any = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        hidden_size = config.hidden_size
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or \
+            self.total_num_heads
+        self.head_dim = head_dim_of(config)
+        self.num_heads = self.total_num_heads // tp_size
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, self.total_num_heads,
+                                          self.total_num_kv_heads, bias=qkv_bias,
+                                          quant_config=quant_config,
+                                          prefix=maybe_prefix(prefix, "qkv_proj"))
+        self.o_proj = RowParallelLinear(self.total_num_heads * self.head_dim, hidden_size,
+                                        bias=o_bias, quant_config=quant_config,
+                                        prefix=maybe_prefix(prefix, "o_proj"))
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.head_dim, self.scaling,
+                              num_kv_heads=self.num_kv_heads, cache_config=cache_config,
+                              quant_config=quant_config, prefix=maybe_prefix(prefix, "attn"))
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self._qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    @staticmethod
+    def attention_biases(config: Any) -> tuple[bool, bool]:
+        """(qkv_proj has bias, o_proj has bias)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, cache_config: Any = None,
+                 quant_config: Any = None, prefix: str = "") -> None:
+        super().__init__()
+        qkv_bias, o_bias = self.attention_biases(config)
+        self.self_attn = self.attention_cls(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias,
+                                            cache_config=cache_config, quant_config=quant_config,
+                                            prefix=maybe_prefix(prefix, "self_attn"))
+        self._init_mlp(config, quant_config, prefix)
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
+
+    def _init_mlp(self, config: Any, quant_config: Any, prefix: str) -> None:
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bias=bool(getattr(config, "mlp_bias", False)),
+                            quant_config=quant_config, prefix=maybe_prefix(prefix, "mlp"))
+
+    def _mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.mlp(hidden_states)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self._mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, *, vllm_config: Any, prefix: str = "",
+                 layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
+        super().__init__()
+        config = vllm_config.model_config.text_config
+        cache_config = vllm_config.cache_config
+        quant_config = None
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=maybe_prefix(prefix, "embed_tokens"))
+        theta, scaling, partial = rope_config(config)
+        head_dim = head_dim_of(config)
+        # One rotary module (and one cos/sin cache) shared by every layer.
+        rotary_emb = get_rope(head_dim, int(head_dim * partial), config.max_position_embeddings,
+                              theta, scaling)
+        self.layers = nn.ModuleList(
+            layer_type(config, rotary_emb, cache_config=cache_config, quant_config=quant_config,
+                       prefix=maybe_prefix(prefix, f"layers.{i}"))
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
+    layer_cls = LlamaDecoderLayer
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                              "gate_up_proj": ["gate_proj", "up_proj"]}
+    # (parameter name part, checkpoint name part, shard id)
+    stacked_params_mapping: list[tuple[str, str, Any]] = [
+        (".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1)]
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.text_config
+        self.config = config
+        self.vllm_config = vllm_config
+        self._warn_unsupported(config, vllm_config)
+        self.model = self.model_cls(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
+                                    layer_type=self.layer_cls)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      prefix=maybe_prefix(prefix, "lm_head"))
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.attention_layers = collect_attention_layers(self)
+
+    @staticmethod
+    def _warn_unsupported(config: Any, vllm_config: Any) -> None:
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True):
+            max_len = vllm_config.model_config.max_model_len
+            if max_len > window:
+                logger.warning_once(
+                    "sliding_window=%s is not implemented: attention sees the full context, so "
+                    "sequences longer than the window differ from the reference model "
+                    "(max_model_len=%s).", window, max_len)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def _load_expert_weight(self, name: str, tensor: torch.Tensor,
+                            params: dict[str, nn.Parameter]) -> str | None:
+        """Hook for MoE models: load `name` if it is an expert tensor; return its key."""
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the parameters through their weight loaders.
+
+        Returns loaded keys: a parameter's name, or "name:shard" for each part of a packed
+        parameter (compare with the `shard_ids` attribute). Unknown tensors raise ValueError."""
+        params = dict(self.named_parameters())
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(SKIPPED_TENSOR_SUFFIXES):
+                continue
+            if tied and name.startswith("lm_head."):
+                continue  # the embedding is the LM head
+            key = self._load_one(name, tensor, params)
+            if key is None:
+                raise ValueError(f"unexpected tensor {name!r}: {type(self).__name__} has no "
+                                 "parameter for it")
+            loaded.add(key)
+        return loaded
+
+    def _load_one(self, name: str, tensor: torch.Tensor,
+                  params: dict[str, nn.Parameter]) -> str | None:
+        for param_part, ckpt_part, shard_id in self.stacked_params_mapping:
+            if ckpt_part not in name:
+                continue
+            param_name = name.replace(ckpt_part, param_part)
+            param = params.get(param_name)
+            if param is None:
+                continue
+            param.weight_loader(param, tensor, shard_id)
+            return f"{param_name}:{shard_id}"
+        key = self._load_expert_weight(name, tensor, params)
+        if key is not None:
+            return key
+        param = params.get(name)
+        if param is None:
+            return None
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor)
+        return name
