@@ -65,7 +65,7 @@ def test_abort_midway_frees_blocks(llm, hf_greedy):
     assert set(finished) == {"abort-0", "abort-2"}
     assert finished["abort-2"].outputs[0].token_ids == hf_greedy(PROMPTS[2])
     assert engine.stats()["num_free_blocks"] == start
-    assert engine.stats()["num_requests_running"] == 0
+    assert engine.stats()["running"] == 0
 
 
 def test_seeded_sampling_is_reproducible(llm):

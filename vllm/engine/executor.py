@@ -40,28 +40,42 @@ class UniProcExecutor(Executor):
     """The worker lives in this process."""
 
     def __init__(self, vllm_config: VllmConfig, load_format: str = "auto") -> None:
+        from vllm.compilation.monitor import get_startup_timer
+
         self.vllm_config = vllm_config
-        start = time.perf_counter()
+        timer = get_startup_timer()
+        self.startup_phases: dict[str, float] = {}
+
+        def timed(phase: str, fn, *args):
+            start = time.perf_counter()
+            with timer.phase(phase):
+                result = fn(*args)
+            self.startup_phases[phase] = time.perf_counter() - start
+            return result
+
         self.worker = Worker(vllm_config)
         self.worker.init_device()
-        self.worker.load_model(load_format)
-        loaded = time.perf_counter()
-        self.num_blocks = self.worker.determine_num_blocks()
-        self.worker.initialize_cache(self.num_blocks)
+        timed("weight loading", self.worker.load_model, load_format)
+        self.num_blocks = timed("kv cache allocation", self._allocate_kv_cache)
         self._log_kv_cache()
-        self.worker.compile_or_warm_up_model()
-        self.startup_times = {"load_model_s": loaded - start,
-                              "kv_cache_and_warm_up_s": time.perf_counter() - loaded}
+        timed("warm-up", self.worker.compile_or_warm_up_model)
+
+    def _allocate_kv_cache(self) -> int:
+        num_blocks = self.worker.determine_num_blocks()
+        self.worker.initialize_cache(num_blocks)
+        return num_blocks
 
     def _log_kv_cache(self) -> None:
         cc, sc = self.vllm_config.cache_config, self.vllm_config.scheduler_config
         usable = self.num_blocks - 1
         tokens = usable * cc.block_size
+        size = self.num_blocks * self.worker.block_bytes
+        size_text = f"{size / GiB:.2f} GiB" if size >= GiB / 10 else f"{size / 2**20:.2f} MiB"
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.3f GiB, %d bytes per block; %s); "
+            "KV cache: %d blocks of %d tokens (%d tokens, %s, %d bytes per block; %s); "
             "maximum concurrency for %d-token requests: %.2fx", usable, cc.block_size, tokens,
-            self.num_blocks * self.worker.block_bytes / GiB, self.worker.block_bytes,
-            self.worker.kv_source, sc.max_model_len, tokens / sc.max_model_len)
+            size_text, self.worker.block_bytes, self.worker.kv_source, sc.max_model_len,
+            tokens / sc.max_model_len)
 
     @property
     def model(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,10 @@ class LLMEngine:
         self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
                                    self.executor.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.startup_phases: dict[str, float] = dict(
+            getattr(self.executor, "startup_phases", {}))
+        self._last_log = time.monotonic()
+        self._generated_since_log = 0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -190,7 +195,22 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.log_stats:
+            self._generated_since_log += sum(len(o.new_token_ids) for o in core_outputs)
+            self._maybe_log_stats()
         return outputs
+
+    def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
+        now = time.monotonic()
+        if now - self._last_log < interval_s:
+            return
+        stats = self.scheduler.stats()
+        logger.info("Engine: %.1f generated tokens/s, running %d, waiting %d, KV cache usage "
+                    "%.1f%%, preemptions %d, prefix cache hit rate %.1f%%",
+                    self._generated_since_log / (now - self._last_log), stats["running"],
+                    stats["waiting"], 100 * stats["kv_cache_usage"], stats["num_preemptions"],
+                    100 * stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1))
+        self._last_log, self._generated_since_log = now, 0
 
     def stats(self) -> dict:
         """Scheduler and KV-cache gauges for logs and /metrics."""

@@ -60,8 +60,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.input_buffers = InputBuffers(self.max_num_tokens, self.max_num_reqs, device)
         self.attn_metadata_builder = None
-        # Set by the compilation stack when CUDA graphs are on: maps a batch to
-        # (runtime mode, BatchDescriptor, padded token count).
+        # A CudagraphDispatcher when CUDA graphs are on (set with the capture): maps a batch
+        # to (runtime mode, BatchDescriptor whose num_tokens is the padded size).
         self.cudagraph_dispatcher = None
 
     # ---- set-up -------------------------------------------------------------------------
@@ -129,7 +129,9 @@ class ModelRunner:
                   uniform_decode: bool) -> tuple[CUDAGraphMode, object, int]:
         if self.cudagraph_dispatcher is None:
             return CUDAGraphMode.NONE, None, num_tokens
-        return self.cudagraph_dispatcher.dispatch(num_tokens, num_reqs, uniform_decode)
+        mode, descriptor = self.cudagraph_dispatcher.dispatch(num_tokens, num_reqs,
+                                                              uniform_decode)
+        return mode, descriptor, max(descriptor.num_tokens, num_tokens)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -174,6 +176,7 @@ class ModelRunner:
         uniform_decode = all(q == 1 for q in query_lens)
         mode, batch_descriptor, num_padded = self._dispatch(num_tokens, len(req_ids),
                                                             uniform_decode)
+        buffers.check_fits(num_padded, len(req_ids))
         input_ids, positions = buffers.commit_tokens(num_tokens, num_padded)
         slot_mapping = np.concatenate(slot_chunks).tolist()
         attn_metadata = self.attn_metadata_builder.build(

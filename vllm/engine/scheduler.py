@@ -237,11 +237,11 @@ class Scheduler:
     def stats(self) -> dict:
         kv = self.kv_cache_manager
         return {
-            "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
+            "running": len(self.running),
+            "waiting": len(self.waiting),
             "num_free_blocks": kv.num_free_blocks,
             "num_total_blocks": kv.num_usable_blocks,
-            "kv_cache_usage_perc": kv.get_usage(),
+            "kv_cache_usage": kv.get_usage(),
             "num_preemptions": self.num_preemptions,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
