@@ -1,0 +1,293 @@
+"""VllmBackend: what Dynamo calls with the traced model graph (mode VLLM_COMPILE).
+
+    graph --split at splitting_ops--> pieces --compile each non-splitting piece--> runnables
+
+Splitting pieces (attention) run as they are, eagerly. Every other piece becomes a
+`PiecewiseBackend` (compiled per compile range and per compile size, through the pass
+manager), wrapped in a `CUDAGraphWrapper` when piecewise CUDA graphs are on. The split module
+with those runnables in place of its submodules is what Dynamo runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from vllm.compilation.cache import CompileCache, cache_disabled_reason
+from vllm.compilation.compiler_interface import graph_hash, make_compiler
+from vllm.compilation.counter import compilation_counter
+from vllm.compilation.cuda_graph import CUDAGraphWrapper
+from vllm.compilation.debug_dump import CompilationStageError, DebugDumper
+from vllm.compilation.inductor_pass import Range, compile_ranges
+from vllm.compilation.monitor import get_startup_timer
+from vllm.compilation.pass_manager import PostGradPassManager
+from vllm.compilation.piecewise_backend import PiecewiseBackend
+from vllm.config.compilation import CUDAGraphMode
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+def op_names(target: Any) -> set[str]:
+    """Names a splitting_ops entry may use for a call target: "ns::op" and "ns::op.overload"."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return {target._qualified_op_name}
+    if isinstance(target, torch._ops.OpOverload):
+        base = target._schema.name
+        return {base, f"{base}.{target._overloadname}"}
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    module = getattr(target, "__module__", None)
+    return {f"{module}.{name}"} if name and module else set()
+
+
+@dataclasses.dataclass
+class SplitItem:
+    index: int
+    name: str
+    """Attribute name of the submodule in the split module ("submod_<id>")."""
+    is_splitting: bool
+    graph: fx.GraphModule
+
+
+def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]
+                ) -> tuple[fx.GraphModule, list[SplitItem]]:
+    """Split at every call of a splitting op; each such call gets a submodule of its own."""
+    wanted = set(splitting_ops)
+    subgraph_of: dict[fx.Node, int] = {}
+    splitting_ids: set[int] = set()
+    current = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(node.args[0], fx.Node) and node.args[0] in subgraph_of and \
+                subgraph_of[node.args[0]] in splitting_ids:
+            subgraph_of[node] = subgraph_of[node.args[0]]  # stays with its op's outputs
+            continue
+        if node.op == "call_function" and op_names(node.target) & wanted:
+            current += 1
+            subgraph_of[node] = current
+            splitting_ids.add(current)
+            current += 1
+        else:
+            subgraph_of[node] = current
+    split_gm = torch.fx.passes.split_module.split_module(
+        gm, None, lambda node: subgraph_of[node], keep_original_order=True)
+    items = []
+    names = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
+    for i, name in enumerate(names):
+        sub_id = int(name.rsplit("_", 1)[1])
+        items.append(SplitItem(i, name, sub_id in splitting_ids, getattr(split_gm, name)))
+    return split_gm, items
+
+
+def _fake_inputs(example_inputs: list[Any]) -> list[Any]:
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        return list(example_inputs)
+    return [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+            for t in example_inputs]
+
+
+class _PieceInputRecorder(torch.fx.Interpreter):
+    """Runs the split module on fake inputs and records each submodule's inputs."""
+
+    def __init__(self, module: fx.GraphModule) -> None:
+        super().__init__(module)
+        self.inputs: dict[str, list[Any]] = {}
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        self.inputs[target] = list(args)
+        return super().call_module(target, args, kwargs)
+
+    def record(self, fake_inputs: list[Any]) -> dict[str, list[Any]]:
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        fake_mode = detect_fake_mode(fake_inputs)
+        if fake_mode is None:
+            with unset_fake_temporarily():
+                self.run(*fake_inputs)
+        else:
+            with fake_mode:
+                self.run(*fake_inputs)
+        return self.inputs
+
+
+class VllmBackend:
+    """The Dynamo backend for mode VLLM_COMPILE. One instance per compiled model."""
+
+    def __init__(self, vllm_config: VllmConfig, model_source_files: Sequence[str] = (),
+                 rank: int = 0) -> None:
+        self.vllm_config = vllm_config
+        cc = vllm_config.compilation_config
+        self.splitting_ops = list(cc.splitting_ops or [])
+        self.pass_manager = PostGradPassManager().configure(vllm_config)
+        self.compiler = make_compiler(vllm_config, self.pass_manager)
+        self.compile_ranges: list[Range] = compile_ranges(
+            cc.compile_ranges_endpoints, vllm_config.scheduler_config.max_num_batched_tokens)
+        self.model_source_files = list(model_source_files)
+        self.rank = rank
+        self.dumper = DebugDumper(vllm_config, rank)
+        self.cache: CompileCache | None = None
+        self.split_gm: fx.GraphModule | None = None
+        self.pieces: list[SplitItem] = []
+        self.timer = get_startup_timer()
+
+    # ---- Dynamo entry point ------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        compilation_counter.num_graphs_seen += 1
+        try:
+            return self._compile(gm, example_inputs)
+        except CompilationStageError as e:
+            self.dumper.write_index()
+            e.with_dump_dir(self.dumper.dir)
+            raise
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        start = time.perf_counter()
+        self.dumper.dump_config()
+        self.dumper.dump_graph("graph.dynamo.py", gm, "the graph Dynamo traced from forward()")
+        self._open_cache(gm)
+        with _stage("split", self.dumper):
+            split_gm, items = split_graph(gm, self.splitting_ops)
+        self.split_gm, self.pieces = split_gm, items
+        compilation_counter.num_piecewise_graphs_seen += len(items)
+        compilation_counter.num_piecewise_capturable_graphs_seen += sum(
+            not item.is_splitting for item in items)
+        self.dumper.dump_graph("split_module.py", split_gm,
+                               "the split module: calls the pieces in order")
+        for item in items:
+            kind = "splitting op, runs eagerly" if item.is_splitting else "compiled"
+            self.dumper.dump_graph(f"piece_{item.index}.py", item.graph,
+                                   f"piece {item.index} ({item.name}): {kind}")
+        with _stage("fake propagation through the pieces", self.dumper):
+            piece_inputs = _PieceInputRecorder(split_gm).record(_fake_inputs(example_inputs))
+        cudagraph_mode = self.vllm_config.compilation_config.cudagraph_mode
+        for item in items:
+            if item.is_splitting:
+                continue
+            runnable: Callable = PiecewiseBackend(item.graph, item.index,
+                                                  piece_inputs[item.name], self)
+            if cudagraph_mode is not None and cudagraph_mode.has_piecewise_cudagraphs():
+                runnable = CUDAGraphWrapper(runnable, self.vllm_config, CUDAGraphMode.PIECEWISE)
+            # Shadow the submodule: the split module's code looks it up as an attribute.
+            split_gm.__dict__[item.name] = runnable
+        if self.cache is not None:
+            self.cache.report()
+        elapsed = time.perf_counter() - start
+        logger.info("Compiled %d pieces (%d split at %s) with backend %s in %.2f s",
+                    len(items), sum(i.is_splitting for i in items), self.splitting_ops or "nothing",
+                    self.compiler.name, elapsed)
+        return split_gm
+
+    def _open_cache(self, gm: fx.GraphModule) -> None:
+        reason = cache_disabled_reason(self.vllm_config)
+        if reason is None and not getattr(self.compiler, "savable", False):
+            reason = "Inductor freezing embeds the weights in the compiled code"
+        if reason is not None:
+            logger.info("compile cache: disabled (%s)", reason)
+            return
+        files = self.model_source_files + traced_source_files(gm)
+        self.cache = CompileCache.for_model(self.vllm_config, files, self.pass_manager.uuid(),
+                                            self.rank)
+        logger.info("compile cache: using %s", self.cache.directory)
+
+    # ---- one piece, one range or size ----------------------------------------------------
+    def compile_piece(self, gm: fx.GraphModule, example_inputs: list[Any], piece_index: int,
+                      compile_range: Range) -> Callable:
+        compilation_counter.num_backend_compilations += 1
+        tag = compile_range.tag
+        name = f"piece_{piece_index}.{tag}.bin"
+        dump_dir = self.dumper.piece_dir(piece_index, tag)
+        if self.cache is None:
+            with _stage(f"{self.compiler.name} compile of piece {piece_index}", self.dumper,
+                        piece_index), \
+                    self.timer.phase("inductor compilation", piece=piece_index, range=tag,
+                                     backend=self.compiler.name, cache="off"):
+                return self.compiler.compile(gm, example_inputs, compile_range, piece_index,
+                                             dump_dir)
+        key = graph_hash(gm, example_inputs) + "|" + str(compile_range)
+        with self.cache.lock(), self.timer.phase(
+                "inductor compilation", piece=piece_index, range=tag, backend="inductor") as info:
+            path = self.cache.lookup(name, key)
+            if path is not None:
+                try:
+                    artifact = self.compiler.load(path, self.cache.inductor_cache_dir)
+                    self.cache.record(name, hit=True)
+                    info["cache"] = "hit"
+                    return artifact
+                except Exception as e:  # a damaged entry is recompiled, never trusted
+                    self.cache.drop(name, f"failed to load ({type(e).__name__}: {e})")
+            info["cache"] = "miss"
+            with _stage(f"inductor compile of piece {piece_index}", self.dumper, piece_index):
+                artifact = self.compiler.compile(gm, example_inputs, compile_range, piece_index,
+                                                 dump_dir, self.cache.inductor_cache_dir)
+            self.cache.record(name, hit=False)
+            try:
+                self.cache.store(name, key, lambda tmp: self.compiler.save(artifact, tmp))
+            except Exception as e:
+                logger.warning("compile cache: could not save %s: %s", name, e)
+            return artifact
+
+
+def traced_source_files(gm: fx.GraphModule) -> list[str]:
+    """Files of user code that Dynamo traced (from the graph's stack traces), torch excluded."""
+    import os
+
+    torch_dir = os.path.dirname(torch.__file__)
+    files = set()
+    for node in gm.graph.nodes:
+        trace = node.meta.get("stack_trace") or ""
+        for line in trace.splitlines():
+            line = line.strip()
+            if line.startswith('File "'):
+                path = line[6:line.find('"', 6)]
+                if os.path.isfile(path) and not path.startswith(torch_dir):
+                    files.add(path)
+    return sorted(files)
+
+
+class _stage:
+    """Turns any failure inside the block into a CompilationStageError naming the stage."""
+
+    def __init__(self, stage: str, dumper: DebugDumper | None = None,
+                 piece_index: int | None = None) -> None:
+        self.stage, self.dumper, self.piece_index = stage, dumper, piece_index
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, CompilationStageError):
+            return False
+        inner = find_stage_error(exc)
+        if inner is not None:
+            raise inner.with_dump_dir(self.dumper.dir if self.dumper else None) from exc
+        raise CompilationStageError(self.stage, self.piece_index,
+                                    self.dumper.dir if self.dumper else None,
+                                    detail=f"{type(exc).__name__}: {exc}") from exc
+
+
+def find_stage_error(exc: BaseException | None) -> CompilationStageError | None:
+    """Our stage error somewhere in an exception chain (Dynamo and Inductor wrap errors)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, CompilationStageError):
+            return exc
+        inner = getattr(exc, "inner_exception", None)
+        exc = inner if isinstance(inner, BaseException) else (exc.__cause__ or exc.__context__)
+    return None
+
+

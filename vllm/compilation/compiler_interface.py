@@ -1,0 +1,156 @@
+"""The compilers a piece can go through: "eager" (AOTAutograd + our passes, no codegen) and
+"inductor" (standalone Inductor compile, savable as a binary artifact).
+
+Both take a piece `GraphModule` and example inputs: fake tensors with a symbolic token
+dimension for a compile range, or real tensors for one static compile size.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from vllm.compilation.counter import compilation_counter
+from vllm.compilation.inductor_pass import Range, pass_context
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.compilation.pass_manager import PostGradPassManager
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+def graph_hash(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
+    """Identity of a piece compile: its code and the shapes/dtypes it is compiled for."""
+    h = hashlib.sha256(gm.code.encode())
+    for arg in example_inputs:
+        if isinstance(arg, torch.Tensor):
+            h.update(f"{tuple(arg.shape)}|{arg.stride()}|{arg.dtype}|{arg.device};".encode())
+        else:
+            h.update(f"{type(arg).__name__}:{arg};".encode())
+    return h.hexdigest()
+
+
+def inductor_config_patches(vllm_config: VllmConfig, pass_manager: PostGradPassManager | None,
+                            ) -> dict[str, Any]:
+    """Inductor options from the config: freezing / max_autotune / coordinate descent, then
+    `inductor_compile_config` as given (it wins), then our pass manager."""
+    cc = vllm_config.compilation_config
+    patches: dict[str, Any] = {}
+    if cc.freezing:
+        patches["freezing"] = True
+    if cc.max_autotune:
+        patches["max_autotune"] = True
+    if cc.coordinate_descent_tuning:
+        patches["coordinate_descent_tuning"] = True
+    # Our passes expect v1 auto_functionalized nodes (see fix_functionalization).
+    patches["enable_auto_functionalized_v2"] = False
+    patches.update(cc.inductor_compile_config or {})
+    if pass_manager is not None:
+        patches["post_grad_custom_post_pass"] = pass_manager
+    return patches
+
+
+class EagerCompiler:
+    """Traces the piece to functional ATen with AOTAutograd, runs the pass manager on it and
+    runs the result as plain PyTorch. Fast to build: for tests and for debugging passes."""
+
+    name = "eager"
+
+    def __init__(self, vllm_config: VllmConfig, pass_manager: PostGradPassManager) -> None:
+        self.vllm_config = vllm_config
+        self.pass_manager = pass_manager
+
+    def compile(self, gm: fx.GraphModule, example_inputs: list[Any], compile_range: Range,
+                piece_index: int, dump_dir: str | None) -> Callable:
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def fw_compiler(aten_gm: fx.GraphModule, _inputs: Any) -> Callable:
+            with pass_context(compile_range=compile_range, piece_index=piece_index,
+                              dump_dir=dump_dir):
+                self.pass_manager(aten_gm.graph)
+            aten_gm.recompile()
+            return make_boxed_func(aten_gm.forward)
+
+        compilation_counter.num_eager_compiles += 1
+        backend = aot_autograd(fw_compiler=fw_compiler, keep_inference_input_mutations=True)
+        return backend(gm, example_inputs)
+
+
+class InductorCompiler:
+    """`torch._inductor.standalone_compile` per piece; artifacts save/load in "binary" format."""
+
+    name = "inductor"
+
+    def __init__(self, vllm_config: VllmConfig, pass_manager: PostGradPassManager) -> None:
+        self.vllm_config = vllm_config
+        self.pass_manager = pass_manager
+
+    @property
+    def savable(self) -> bool:
+        # Frozen graphs embed the weights as constants: Inductor does not cache them (and we
+        # must not: the same config with other weights would load stale constants).
+        return not self.vllm_config.compilation_config.freezing
+
+    def compile(self, gm: fx.GraphModule, example_inputs: list[Any], compile_range: Range,
+                piece_index: int, dump_dir: str | None, cache_dir: str | None = None) -> Any:
+        from torch._inductor import standalone_compile
+
+        patches = inductor_config_patches(self.vllm_config, self.pass_manager)
+        static = compile_range.is_single_size
+        start = time.perf_counter()
+        with pass_context(compile_range=compile_range, piece_index=piece_index,
+                          dump_dir=dump_dir), inductor_cache_dir(cache_dir):
+            artifact = standalone_compile(
+                gm, example_inputs, dynamic_shapes="from_example_inputs",
+                options={"config_patches": patches})
+        compilation_counter.num_inductor_compiles += 1
+        logger.debug("Inductor compiled piece %d for %s (%s) in %.2f s", piece_index,
+                     compile_range, "static" if static else "dynamic",
+                     time.perf_counter() - start)
+        return artifact
+
+    @staticmethod
+    def save(artifact: Any, path: str) -> None:
+        artifact.save(path=path, format="binary")
+
+    @staticmethod
+    def load(path: str, cache_dir: str | None = None) -> Any:
+        from torch._inductor import CompiledArtifact
+
+        with inductor_cache_dir(cache_dir):
+            return CompiledArtifact.load(path=path, format="binary")
+
+
+@contextlib.contextmanager
+def inductor_cache_dir(directory: str | None):
+    """Point Inductor's cache (generated code, built C++ objects) at `directory` while
+    compiling or loading, so a warm start finds the built objects next to our artifacts
+    instead of running the C++ compiler again. None: leave Inductor's cache dir as it is."""
+    if directory is None:
+        yield
+        return
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    os.makedirs(directory, exist_ok=True)
+    with temporary_cache_dir(directory):
+        yield
+
+
+def make_compiler(vllm_config: VllmConfig, pass_manager: PostGradPassManager
+                  ) -> EagerCompiler | InductorCompiler:
+    backend = vllm_config.compilation_config.backend
+    if backend == "eager":
+        return EagerCompiler(vllm_config, pass_manager)
+    if backend in ("inductor", ""):
+        return InductorCompiler(vllm_config, pass_manager)
+    raise ValueError(f"Invalid backend for piecewise compilation: {backend!r}; use 'inductor' "
+                     "or 'eager'")

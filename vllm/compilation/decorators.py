@@ -1,0 +1,252 @@
+"""`@support_torch_compile`: compile a model class's forward once, token dimension dynamic.
+
+    @support_torch_compile
+    class LlamaModel(nn.Module):
+        def forward(self, input_ids, positions): ...
+
+The model reads the current config (`set_current_vllm_config`) when it is built. With
+compilation mode NONE the decorator does nothing. Otherwise the first forward traces with
+Dynamo, dim 0 of every tensor argument marked dynamic (override with
+`dynamic_arg_dims={"input_ids": 0, ...}`), and compiles through:
+  VLLM_COMPILE        our VllmBackend (passes, split at attention, per-piece compile, cache)
+  STOCK_TORCH_COMPILE torch's backend named by compilation_config.backend
+  DYNAMO_TRACE_ONCE   the same, and any second trace is an error
+Later traces (a guard failed) are recompiles: counted, logged as a warning, and an error
+with VLLM_TEST_FAIL_ON_RECOMPILE=1 (tests) or in DYNAMO_TRACE_ONCE.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+import time
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from vllm.compilation.counter import compilation_counter
+from vllm.compilation.debug_dump import CompilationStageError
+from vllm.compilation.monitor import get_startup_timer
+from vllm.config.compilation import CompilationMode
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_T = TypeVar("_T", bound=type)
+
+
+class RecompileError(RuntimeError):
+    """Dynamo traced the model again after the first compile."""
+
+
+def support_torch_compile(cls: _T | None = None, *,
+                          dynamic_arg_dims: dict[str, int | list[int]] | None = None
+                          ) -> Any:
+    """Class decorator (bare or called with `dynamic_arg_dims`)."""
+    if cls is None:
+        return lambda c: _decorate(c, dynamic_arg_dims)
+    return _decorate(cls, dynamic_arg_dims)
+
+
+def _decorate(cls: _T, dynamic_arg_dims: dict[str, int | list[int]] | None) -> _T:
+    if getattr(cls, "_vllm_compile_decorated", False) and "forward" not in cls.__dict__:
+        return cls
+    original_init = cls.__init__
+    original_forward = cls.forward
+    signature = inspect.signature(original_forward)
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if "_vllm_compile_state" in self.__dict__:  # a decorated base class already did it
+            return
+        from vllm.config import get_current_vllm_config
+
+        state = _CompileState.create(self, get_current_vllm_config(), original_forward,
+                                     signature, dynamic_arg_dims)
+        object.__setattr__(self, "_vllm_compile_state", state)
+
+    @functools.wraps(original_forward)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state = self.__dict__.get("_vllm_compile_state")
+        if state is None or torch.compiler.is_compiling():
+            return original_forward(self, *args, **kwargs)
+        return state(args, kwargs)
+
+    cls.__init__ = __init__
+    cls.forward = forward
+    cls._vllm_compile_decorated = True
+    return cls
+
+
+def _model_source_files(model: Any) -> list[str]:
+    files = []
+    for klass in type(model).__mro__:
+        module = sys.modules.get(klass.__module__)
+        path = getattr(module, "__file__", None)
+        if path and not klass.__module__.startswith("torch"):
+            files.append(os.path.abspath(path))
+    return sorted(set(files))
+
+
+class _CompileState:
+    """Per-model-instance compile state (None at mode NONE: the decorator is a no-op)."""
+
+    def __init__(self, model: Any, vllm_config: Any, original_forward: Callable,
+                 signature: inspect.Signature, dynamic_arg_dims: dict | None) -> None:
+        self.model_ref = model
+        self.vllm_config = vllm_config
+        self.mode: CompilationMode = vllm_config.compilation_config.mode
+        self.original_forward = original_forward
+        self.signature = signature
+        self.dynamic_arg_dims = dynamic_arg_dims
+        self.compiled: Callable | None = None
+        self.num_traces = 0
+        self.vllm_backend: Any = None
+        compilation_counter.num_models_seen += 1
+
+    @classmethod
+    def create(cls, model: Any, vllm_config: Any, original_forward: Callable,
+               signature: inspect.Signature, dynamic_arg_dims: dict | None
+               ) -> _CompileState | None:
+        if vllm_config is None:
+            logger.warning_once("%s built outside set_current_vllm_config(): not compiled",
+                                type(model).__name__)
+            return None
+        mode = vllm_config.compilation_config.mode
+        if mode is None or mode == CompilationMode.NONE:
+            return None
+        return cls(model, vllm_config, original_forward, signature, dynamic_arg_dims)
+
+    # ---- the backend Dynamo sees --------------------------------------------------------
+    def _make_backend(self) -> Callable:
+        cc = self.vllm_config.compilation_config
+        if self.mode == CompilationMode.VLLM_COMPILE:
+            from vllm.compilation.backends import VllmBackend
+
+            self.vllm_backend = VllmBackend(self.vllm_config,
+                                            _model_source_files(self.model_ref))
+            inner: Callable = self.vllm_backend
+        else:
+            inner = _torch_backend(self.vllm_config)
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+            if self.num_traces > 0:
+                self._on_recompile(gm)
+            if self.mode != CompilationMode.VLLM_COMPILE:
+                compilation_counter.num_graphs_seen += 1
+                compilation_counter.stock_torch_compile_count += 1
+            result = inner(gm, example_inputs)
+            self.num_traces += 1
+            return result
+
+        del cc
+        return backend
+
+    def _on_recompile(self, gm: torch.fx.GraphModule) -> None:
+        compilation_counter.num_recompiles += 1
+        name = type(self.model_ref).__name__
+        message = (f"{name}.forward was traced again by Dynamo (recompile #{self.num_traces}): "
+                   "a guard of the first compile failed (a new input shape, dtype or Python "
+                   "value). Set TORCH_LOGS=recompiles to see which guard.")
+        if self.mode == CompilationMode.DYNAMO_TRACE_ONCE:
+            raise RecompileError(message + " Mode DYNAMO_TRACE_ONCE allows one trace only.")
+        if os.environ.get("VLLM_TEST_FAIL_ON_RECOMPILE", "0") == "1":
+            raise RecompileError(message + " (VLLM_TEST_FAIL_ON_RECOMPILE=1)")
+        logger.warning(message)
+
+    # ---- calls ------------------------------------------------------------------------
+    def _mark_dynamic(self, bound: inspect.BoundArguments) -> None:
+        for name, value in bound.arguments.items():
+            if name == "self" or not isinstance(value, torch.Tensor):
+                continue
+            dims = (self.dynamic_arg_dims or {}).get(name, 0 if self.dynamic_arg_dims is None
+                                                     else None)
+            if dims is None:
+                continue
+            for dim in ([dims] if isinstance(dims, int) else dims):
+                torch._dynamo.mark_dynamic(value, dim % value.dim())
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        if self.compiled is not None and self.num_traces > 0:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:
+                _reraise(e, None)
+        return self._first_call(args, kwargs)
+
+    def _first_call(self, args: tuple, kwargs: dict) -> Any:
+        bound = self.signature.bind(self.model_ref, *args, **kwargs)
+        self._mark_dynamic(bound)
+        if self.compiled is None:
+            method = types.MethodType(self.original_forward, self.model_ref)
+            self.compiled = torch.compile(method, backend=self._make_backend(), fullgraph=True,
+                                          dynamic=False)
+        timer = get_startup_timer()
+        start = time.perf_counter()
+        backend_before = timer.seconds("inductor compilation")
+        try:
+            # Treat the token dimension as "any size >= 0": without this, a first call with
+            # N >= 2 tokens guards on N != 1 and a later 1-token batch would recompile.
+            from torch.fx.experimental import _config as fx_config
+
+            with fx_config.patch(backed_size_oblivious=True):
+                output = self.compiled(*args, **kwargs)
+        except Exception as e:
+            _reraise(e, "dynamo trace")
+        compile_seconds = timer.seconds("inductor compilation") - backend_before
+        timer.record("dynamo tracing", time.perf_counter() - start - compile_seconds,
+                     model=type(self.model_ref).__name__)
+        return output
+
+
+def _reraise(e: Exception, stage: str | None) -> None:
+    """Surface our own errors from inside Dynamo's wrappers; name the stage of others (on the
+    first call: the trace), or re-raise them as they are (`stage=None`: a run-time error)."""
+    from vllm.compilation.backends import find_stage_error
+
+    inner = find_stage_error(e)
+    if inner is not None:
+        raise inner from e
+    recompile = _find(e, RecompileError)
+    if recompile is not None:
+        raise recompile from e
+    if stage is None:
+        raise e
+    raise CompilationStageError(stage, detail=f"{type(e).__name__}: {e}") from e
+
+
+def _find(e: BaseException | None, kind: type) -> Any:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, kind):
+            return e
+        inner = getattr(e, "inner_exception", None)
+        e = inner if isinstance(inner, BaseException) else (e.__cause__ or e.__context__)
+    return None
+
+
+def _torch_backend(vllm_config: Any) -> Callable:
+    """torch's own backend for modes STOCK_TORCH_COMPILE / DYNAMO_TRACE_ONCE, with our
+    Inductor options when it is Inductor."""
+    name = vllm_config.compilation_config.backend or "inductor"
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        from vllm.compilation.compiler_interface import inductor_config_patches
+
+        patches = inductor_config_patches(vllm_config, None)
+        return lambda gm, example_inputs: compile_fx(gm, example_inputs,
+                                                     config_patches=patches)
+    if "." in name and name not in torch._dynamo.list_backends(exclude_tags=()):
+        import importlib
+
+        module, _, attr = name.rpartition(".")
+        return getattr(importlib.import_module(module), attr)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(name)

@@ -1,0 +1,133 @@
+"""Start-up phase timings: where the seconds between "start" and "ready" went.
+
+    timer = get_startup_timer()
+    with timer.phase("weight loading"):
+        load()
+    timer.record("inductor compilation", 1.2, piece=0, cache="miss")
+    print(timer.table())
+
+Phases recorded more than once (one per piece, one per capture) are summed in `table()` and
+listed one by one in `as_dict()["phases"][name]["events"]`.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+# The phases the engine reports, in start-up order (others may be added freely).
+STANDARD_PHASES = (
+    "config resolution",
+    "weight loading",
+    "dynamo tracing",
+    "inductor compilation",
+    "cudagraph capture",
+    "kv cache allocation",
+    "warm-up",
+)
+
+
+class StartupTimer:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, float, dict[str, Any]]] = []
+        self._created = time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, **info: Any) -> Iterator[dict[str, Any]]:
+        """Time the block as one event of phase `name`; the yielded dict may be filled with
+        details (e.g. `info["cache"] = "hit"`)."""
+        details = dict(info)
+        start = time.perf_counter()
+        try:
+            yield details
+        finally:
+            self.record(name, time.perf_counter() - start, **details)
+
+    def record(self, name: str, seconds: float, **info: Any) -> None:
+        with self._lock:
+            self._events.append((name, float(seconds), info))
+
+    def subtract(self, name: str, seconds: float) -> None:
+        """Record a negative correction (e.g. backend time that happened inside tracing)."""
+        self.record(name, -seconds, correction=True)
+
+    def seconds(self, name: str) -> float:
+        with self._lock:
+            return sum(s for n, s, _ in self._events if n == name)
+
+    def count(self, name: str) -> int:
+        with self._lock:
+            return sum(1 for n, _, info in self._events if n == name and not info.get("correction"))
+
+    def phases(self) -> list[str]:
+        with self._lock:
+            names = list(dict.fromkeys(n for n, _, _ in self._events))
+        known = [p for p in STANDARD_PHASES if p in names]
+        return known + [n for n in names if n not in STANDARD_PHASES]
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            events = list(self._events)
+        phases: dict[str, Any] = {}
+        for name in self.phases():
+            mine = [(s, info) for n, s, info in events if n == name]
+            phases[name] = {
+                "seconds": round(sum(s for s, _ in mine), 6),
+                "count": sum(1 for _, info in mine if not info.get("correction")),
+                "events": [{"seconds": round(s, 6), **info} for s, info in mine
+                           if not info.get("correction")],
+            }
+        total = sum(p["seconds"] for p in phases.values())
+        return {"total_seconds": round(total, 6), "phases": phases}
+
+    def table(self) -> str:
+        data = self.as_dict()
+        rows = []
+        for name, phase in data["phases"].items():
+            detail = _summarize(phase["events"])
+            rows.append((name, f"{phase['seconds']:.2f}", str(phase["count"]), detail))
+        rows.append(("total", f"{data['total_seconds']:.2f}", "", ""))
+        widths = [max(len(r[i]) for r in rows + [("phase", "seconds", "count", "")])
+                  for i in range(3)]
+        lines = [f"{'phase':<{widths[0]}}  {'seconds':>{widths[1]}}  {'count':>{widths[2]}}  "
+                 "details"]
+        for name, secs, count, detail in rows:
+            lines.append(f"{name:<{widths[0]}}  {secs:>{widths[1]}}  {count:>{widths[2]}}  "
+                         f"{detail}".rstrip())
+        return "\n".join(lines)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._events.clear()
+            self._created = time.perf_counter()
+
+
+def _summarize(events: list[dict[str, Any]]) -> str:
+    """"cache: 2 hit, 1 miss" style summary of the detail fields shared by the events."""
+    parts = []
+    keys = dict.fromkeys(k for e in events for k in e if k != "seconds")
+    for key in keys:
+        values = [str(e[key]) for e in events if key in e]
+        counts = dict.fromkeys(values, 0)
+        for v in values:
+            counts[v] += 1
+        if len(counts) <= 4:
+            parts.append(f"{key}: " + ", ".join(f"{n} {v}" if n > 1 else v
+                                                for v, n in counts.items()))
+    return "; ".join(parts)
+
+
+_startup_timer = StartupTimer()
+
+
+def get_startup_timer() -> StartupTimer:
+    """The process-wide timer the engine and the compile stack report into."""
+    return _startup_timer
+
+
+def reset_startup_timer() -> StartupTimer:
+    _startup_timer.reset()
+    return _startup_timer

@@ -1,0 +1,103 @@
+"""The ordered list of graph passes chosen from PassConfig.
+
+Adding a pass is one line in `PASS_REGISTRY`: (PassConfig flag, "module:Class"). The class is
+imported only when its flag is on and is built as `Class()` or `Class(vllm_config)`.
+`PostCleanupPass` and then `FixFunctionalizationPass` always run last, in that order.
+
+The manager is installed as Inductor's `post_grad_custom_post_pass` (so its `uuid()` is part of
+Inductor's cache key) and is called directly by the "eager" backend on the AOTAutograd graph.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import os
+from typing import TYPE_CHECKING
+
+import torch.fx as fx
+
+from vllm.compilation.inductor_pass import VllmInductorPass, get_pass_context, source_hash
+from vllm.compilation.passes.fix_functionalization import FixFunctionalizationPass
+from vllm.compilation.passes.post_cleanup import PostCleanupPass
+from vllm.logger import init_logger
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover
+    CustomGraphPass = object  # type: ignore[misc,assignment]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+# Order matters: no-op elimination first (it exposes patterns), fusions after.
+PASS_REGISTRY: list[tuple[str, str]] = [
+    ("eliminate_noops", "vllm.compilation.passes.noop_elimination:NoOpEliminationPass"),
+]
+
+
+def _build(path: str, vllm_config: VllmConfig | None) -> VllmInductorPass:
+    module_name, cls_name = path.split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    takes_config = len(inspect.signature(cls.__init__).parameters) > 1
+    return cls(vllm_config) if takes_config else cls()
+
+
+class PostGradPassManager(CustomGraphPass):
+    """Runs the configured passes in order on one graph; reports matches per pass."""
+
+    def __init__(self) -> None:
+        self.passes: list[VllmInductorPass] = []
+        self.post_cleanup = PostCleanupPass()
+        self.fix_functionalization = FixFunctionalizationPass()
+        self.pass_config_hash = ""
+
+    def configure(self, vllm_config: VllmConfig) -> PostGradPassManager:
+        pass_config = vllm_config.compilation_config.pass_config
+        self.pass_config_hash = pass_config.compute_hash()
+        for flag, path in PASS_REGISTRY:
+            if getattr(pass_config, flag, False):
+                self.add(_build(path, vllm_config))
+        return self
+
+    def add(self, graph_pass: VllmInductorPass) -> None:
+        if not isinstance(graph_pass, VllmInductorPass):
+            raise TypeError(f"{graph_pass!r} is not a VllmInductorPass")
+        self.passes.append(graph_pass)
+
+    def all_passes(self) -> list[VllmInductorPass]:
+        return [*self.passes, self.post_cleanup, self.fix_functionalization]
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from vllm.compilation.debug_dump import CompilationStageError, dump_graph
+
+        ctx = get_pass_context()
+        for i, graph_pass in enumerate(self.all_passes()):
+            if not graph_pass.is_applicable_for_range(ctx.compile_range):
+                logger.debug("Skipping %s with compile range %s", graph_pass.name,
+                             ctx.compile_range)
+                continue
+            stem = f"post_grad.{i}.{graph_pass.name}"
+            if ctx.dump_dir:
+                dump_graph(graph, os.path.join(ctx.dump_dir, f"{stem}.before.py"))
+            try:
+                graph_pass(graph)
+            except Exception as e:
+                raise CompilationStageError(f"pass {graph_pass.name}",
+                                            piece_index=ctx.piece_index) from e
+            if ctx.dump_dir:
+                dump_graph(graph, os.path.join(ctx.dump_dir, f"{stem}.after.py"))
+
+    def match_counts(self) -> dict[str, int]:
+        """Rewrites per pass over this process (the fusion tests read these)."""
+        return {p.name: p.total_matched for p in self.all_passes()}
+
+    def uuid(self) -> str:
+        """Changes with any pass flag, any pass's source, the set of passes and the compile
+        range the passes see."""
+        ctx = get_pass_context()
+        parts = [self.pass_config_hash, source_hash(type(self)), str(ctx.compile_range)]
+        parts += [f"{p.name}:{p.uuid()}" for p in self.all_passes()]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()

@@ -1,0 +1,1 @@
+"""Graph passes run by the pass manager; one pass per file."""

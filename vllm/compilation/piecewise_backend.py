@@ -1,0 +1,112 @@
+"""PiecewiseBackend: one compiled piece, dispatching on the runtime token count.
+
+A piece is compiled once per compile range with the token dimension symbolic, and once per
+`compile_sizes` entry with static shapes (lazily, at the first call of that size, from the real
+inputs). At run time an exact compile size wins, else the range holding the token count.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from vllm.compilation.inductor_pass import Range
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.compilation.backends import VllmBackend
+
+logger = init_logger(__name__)
+
+
+def _is_symbolic(value: Any) -> bool:
+    return isinstance(value, torch.SymInt) and not isinstance(value.node.maybe_as_int(), int)
+
+
+def find_token_locator(example_inputs: list[Any]) -> tuple[int, int | None] | None:
+    """Where the token count is found at run time: (arg index, None) for a SymInt argument,
+    (arg index, dim) for the first tensor with a symbolic dimension; None for a static piece."""
+    for i, arg in enumerate(example_inputs):
+        if _is_symbolic(arg):
+            return i, None
+    for i, arg in enumerate(example_inputs):
+        if isinstance(arg, torch.Tensor):
+            for d, size in enumerate(arg.shape):
+                if _is_symbolic(size):
+                    return i, d
+    return None
+
+
+def with_tuple_output(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
+    """A copy of `gm` returning a tuple (what AOTAutograd wants) and whether it had to wrap a
+    single output."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        return gm, False
+    graph = copy.deepcopy(gm.graph)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    output.args = ((output.args[0],),)
+    new = fx.GraphModule(gm, graph)
+    new.recompile()
+    return new, True
+
+
+class PiecewiseBackend:
+    """Callable standing in for one split submodule of the model graph."""
+
+    def __init__(self, gm: fx.GraphModule, piece_index: int, example_inputs: list[Any],
+                 vllm_backend: VllmBackend) -> None:
+        gm, self.single_output = with_tuple_output(gm)
+        self.gm = gm
+        self.piece_index = piece_index
+        self.vllm_backend = vllm_backend
+        self.locator = find_token_locator(example_inputs)
+        cc = vllm_backend.vllm_config.compilation_config
+        self.ranges: list[Range] = list(vllm_backend.compile_ranges)
+        self.compile_sizes: set[int] = set(cc.compile_sizes or []) if self.locator else set()
+        self.range_runnables: dict[Range, Callable] = {}
+        self.size_runnables: dict[int, Callable] = {}
+        self._warned_outside = False
+        if self.locator is None:
+            # Nothing depends on the token count: one compile serves every batch.
+            self.ranges = self.ranges[-1:]
+        for compile_range in self.ranges:
+            self.range_runnables[compile_range] = vllm_backend.compile_piece(
+                gm, example_inputs, piece_index, compile_range)
+
+    def num_tokens(self, args: tuple) -> int | None:
+        if self.locator is None:
+            return None
+        index, dim = self.locator
+        value = args[index]
+        return int(value) if dim is None else value.shape[dim]
+
+    def runnable_for(self, num_tokens: int | None, args: tuple) -> Callable:
+        if num_tokens is not None and num_tokens in self.compile_sizes:
+            runnable = self.size_runnables.get(num_tokens)
+            if runnable is None:
+                start = time.perf_counter()
+                runnable = self.vllm_backend.compile_piece(
+                    self.gm, list(args), self.piece_index, Range(num_tokens, num_tokens))
+                self.size_runnables[num_tokens] = runnable
+                logger.debug("piece %d: static compile for %d tokens took %.2f s",
+                             self.piece_index, num_tokens, time.perf_counter() - start)
+            return runnable
+        if num_tokens is not None:
+            for compile_range in self.ranges:
+                if num_tokens in compile_range:
+                    return self.range_runnables[compile_range]
+            if not self._warned_outside:
+                self._warned_outside = True
+                logger.warning("piece %d called with %d tokens, outside every compile range %s "
+                               "(max_num_batched_tokens); using the last range's code",
+                               self.piece_index, num_tokens, [str(r) for r in self.ranges])
+        return self.range_runnables[self.ranges[-1]]
+
+    def __call__(self, *args: Any) -> Any:
+        output = self.runnable_for(self.num_tokens(args), args)(*args)
+        return output[0] if self.single_output else output
