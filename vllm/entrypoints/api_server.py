@@ -18,6 +18,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from fastapi import Request
+
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.entrypoints.openai.protocol import OpenAIError
 from vllm.logger import init_logger
@@ -36,7 +38,7 @@ class _State:
 
 def build_app(engine: AsyncLLM) -> Any:
     """The FastAPI app: /generate and /health over a running AsyncLLM."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     from vllm.entrypoints.openai.api_server import _GuardMiddleware

@@ -23,6 +23,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from fastapi import Request
+
 from vllm.engine.async_llm import AsyncLLM
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm.entrypoints.openai.protocol import (
@@ -51,6 +53,8 @@ class ServerState:
         self.served_model_names = list(served_model_names)
         self.api_key = api_key
         self.metrics = metrics or ServerMetrics(self.served_model_names[0])
+        if engine.stat_observer is None:
+            engine.stat_observer = self.metrics
         self.draining = False
         self.created = int(time.time())
         mc = engine.model_config
@@ -101,7 +105,7 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
 def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str | None = None,
               metrics: ServerMetrics | None = None) -> Any:
     """The FastAPI app over a running `AsyncLLM` (its state is `app.state.server`)."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException

@@ -1,0 +1,179 @@
+"""AsyncLLM over a fake engine: continuous batching, abort on cancel, errors, shutdown."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_engine import FakeEngine, greedy_continuation
+
+from vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from vllm.entrypoints.openai.metrics import ServerMetrics
+from vllm.sampling_params import SamplingParams
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+@pytest.fixture
+def fake():
+    return FakeEngine(step_delay=0.002)
+
+
+@pytest.fixture
+def llm(fake):
+    engine = AsyncLLM(fake)
+    yield engine
+    engine.shutdown()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_concurrent_requests_are_batched_and_complete(llm, fake):
+    async def one(i: int):
+        last = None
+        async for out in llm.generate(f"prompt {i}", greedy(5 + i), f"r{i}"):
+            last = out
+        return last
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(12)))
+
+    finals = run(main())
+    for i, final in enumerate(finals):
+        assert final.finished
+        assert len(final.outputs[0].token_ids) == 5 + i
+        assert final.outputs[0].text == greedy_continuation(f"prompt {i}", 5 + i)
+    assert max(fake.batch_sizes) > 1  # requests shared steps
+    assert llm.num_in_flight == 0
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_outputs_are_cumulative_and_end_finished(llm):
+    async def main():
+        return [out async for out in llm.generate("abc", greedy(6), "r")]
+
+    outs = run(main())
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 6
+
+
+def test_leaving_the_iteration_aborts_the_request(llm, fake):
+    async def main():
+        gen = llm.generate("abc", greedy(100), "leave")
+        seen = 0
+        async for _ in gen:
+            seen += 1
+            if seen == 3:
+                break
+        await gen.aclose()
+        await asyncio.sleep(0.1)
+
+    run(main())
+    assert "leave" in fake.aborted
+    assert llm.num_in_flight == 0
+    stats = llm.get_stats()
+    assert stats["running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_cancelling_the_task_aborts_the_request(llm, fake):
+    async def consume():
+        async for _ in llm.generate("abc", greedy(10_000 // 100), "cancel-me"):
+            await asyncio.sleep(0.01)
+
+    async def main():
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)
+
+    run(main())
+    assert "cancel-me" in fake.aborted
+    assert not fake.has_unfinished_requests()
+
+
+def test_abort_ends_the_stream_with_abort(llm):
+    async def main():
+        stream = await llm.add_request("x", "abc", greedy(100))
+        await stream.get()
+        await llm.abort("x")
+        return [o async for o in stream]
+
+    outs = run(main())
+    assert outs[-1].finished
+    assert outs[-1].outputs[0].finish_reason == "abort"
+
+
+def test_add_request_errors_reach_the_caller_and_others_continue(llm, fake):
+    async def main():
+        good = asyncio.ensure_future(_last(llm.generate("abc", greedy(20), "good")))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await llm.add_request("bad", "x" * 500, greedy(4))
+        with pytest.raises(ValueError, match="already in flight"):
+            await llm.add_request("good", "abc", greedy(4))
+        return await good
+
+    final = run(main())
+    assert len(final.outputs[0].token_ids) == 20
+    assert llm.num_in_flight == 0
+
+
+async def _last(gen):
+    last = None
+    async for out in gen:
+        last = out
+    return last
+
+
+def test_engine_death_fails_streams_and_new_requests(llm, fake):
+    async def main():
+        stream = await llm.add_request("r", "abc", greedy(1000))
+        await stream.get()
+        fake.fail_next_step = True
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("r2", "abc", greedy(4))
+
+    run(main())
+    assert llm.errored
+
+
+def test_shutdown_aborts_in_flight_requests(fake):
+    llm = AsyncLLM(fake)
+
+    async def main():
+        stream = await llm.add_request("r", "abc", greedy(1000))
+        await stream.get()
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        return [o async for o in stream]
+
+    outs = run(main())
+    assert outs[-1].outputs[0].finish_reason == "abort"
+    assert not llm.is_running
+    with pytest.raises(EngineDeadError):
+        llm.check_health()
+
+
+def test_stat_observer_counts_tokens_and_ttft(fake):
+    metrics = ServerMetrics("m")
+    llm = AsyncLLM(fake, stat_observer=metrics)
+    try:
+        async def main():
+            await asyncio.gather(*(_last(llm.generate("abc", greedy(7, n=2), f"r{i}"))
+                                   for i in range(3)))
+        run(main())
+    finally:
+        llm.shutdown()
+    assert metrics.generation_tokens_total == 3 * 2 * 7
+    assert metrics.prompt_tokens_total == 3 * 4  # BOS + "abc"
+    assert metrics.ttft.count == 3
+    assert metrics.finished["length"] == 3
+    assert metrics.generation_tokens_per_second() > 0

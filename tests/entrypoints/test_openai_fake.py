@@ -1,0 +1,325 @@
+"""The OpenAI server over a fake engine (fast): response shapes, streaming, errors, auth,
+metrics, disconnects. The same behaviours run against the real engine in
+test_openai_server.py."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from fake_engine import FakeEngine, greedy_continuation
+from server_utils import serve_in_thread
+
+from vllm.engine.async_llm import AsyncLLM
+from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.metrics import metric_value
+
+MODEL = "fake"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeEngine(max_model_len=128, num_blocks=256, step_delay=0.001)
+
+
+@pytest.fixture(scope="module")
+def engine(fake):
+    llm = AsyncLLM(fake)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    return build_app(engine, [MODEL])
+
+
+@pytest.fixture(scope="module")
+def url(app):
+    with serve_in_thread(app) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        return httpx.post(url + path, json=body, timeout=30, **kw)
+    return httpx.post(url + path, content=body, timeout=30,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+def test_models_health_version(url, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert httpx.get(url + "/health").status_code == 200
+    assert "version" in httpx.get(url + "/version").json()
+
+
+def test_completion(client):
+    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == greedy_continuation("abc", 5)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 5
+    assert out.usage.total_tokens == 9
+
+
+def test_completion_without_model_uses_the_served_one(url):
+    body = post(url, "/v1/completions", {"prompt": "abc", "max_tokens": 2}).json()
+    assert body["model"] == MODEL and body["object"] == "text_completion"
+
+
+def test_completion_stream_with_usage(client):
+    stream = client.completions.create(model=MODEL, prompt="abc", max_tokens=6, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == greedy_continuation("abc", 6)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completion_batch_n_and_token_prompts(client):
+    out = client.completions.create(model=MODEL, prompt=["abc", "xy"], n=2, max_tokens=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == ["def", "def", "zab", "zab"]
+    assert out.usage.completion_tokens == 12
+    ids = [1, ord("a") + 3]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    assert out.choices[0].text == "bc" and out.usage.prompt_tokens == 2
+
+
+def test_completion_echo_stop_and_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0,
+                                    echo=True)
+    assert out.choices[0].text == "abcdef"
+    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=10, temperature=0,
+                                    stop=["gh"])
+    assert out.choices[0].text == "def" and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra.get("stop_reason") == "gh"
+    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=10,
+                                            temperature=0, stop="gh", stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "def"
+    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=2, temperature=0,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == ["d", "e"] and lp.token_logprobs == [-0.5, -0.5]
+    assert lp.text_offset == [0, 1] and len(lp.top_logprobs[0]) == 3
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample():
+        return client.completions.create(model=MODEL, prompt="abc", max_tokens=8,
+                                         temperature=1.0, seed=7).choices[0].text
+
+    assert sample() == sample()
+
+
+def test_chat(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi abc"}], max_tokens=4,
+        temperature=0)
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and msg.content == "abcd"  # the prompt ends in "]"
+    prompt = "[user]hi abc\n[assistant]"
+    assert out.usage.prompt_tokens == len(prompt)  # no BOS: the template has its tokens
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+        max_tokens=4, temperature=0, stream=True, n=2,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == {0: "abcd", 1: "abcd"}
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=2,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == ["a", "b"]
+    assert len(content[0].top_logprobs) == 2 and content[0].top_logprobs[0].token == "a"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "other", "prompt": "a"}, 404, "model"),
+    ({"prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"prompt": "a" * 200}, 400, "prompt"),
+    ({"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "a", "n": 0}, 400, "n"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, 99999]}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "a", "logprobs": 50}, 400, "logprobs"),
+])
+def test_completion_errors(url, body, status, param):
+    resp = post(url, "/v1/completions", body)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and err["code"] == status and err["message"]
+    assert err["type"] in ("BadRequestError", "NotFoundError")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+])
+def test_chat_errors(url, body, param):
+    resp = post(url, "/v1/chat/completions", body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+def test_invalid_json_and_unknown_route(url):
+    resp = post(url, "/v1/completions", b"{not json")
+    assert resp.status_code == 400 and "Invalid JSON" in resp.json()["error"]["message"]
+    resp = httpx.get(url + "/v1/nothing-here")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == 404
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="a")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=-3)
+    assert "max_tokens" in str(info.value)
+
+
+def test_metrics_page(url, client):
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=3)
+    text = httpx.get(url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:kv_cache_free_blocks",
+                 "vllm:kv_cache_total_blocks", "vllm:generation_tokens_total",
+                 "vllm:generation_tokens_per_second", "vllm:time_to_first_token_seconds_bucket",
+                 'vllm:startup_phase_seconds{model_name="fake",phase="load_weights"}'):
+        assert name in text, name
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert metric_value(text, "vllm:generation_tokens_total") >= 3
+    assert metric_value(text, "vllm:kv_cache_free_blocks") == \
+        metric_value(text, "vllm:kv_cache_total_blocks")
+
+
+def _wait_idle(fake, engine, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.num_in_flight == 0 and not fake.has_unfinished_requests():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@contextlib.contextmanager
+def slow_steps(fake):
+    fake.step_delay = 0.01  # 100+ steps take longer than the client stays
+    try:
+        yield
+    finally:
+        fake.step_delay = 0.001
+
+
+def test_disconnect_mid_stream_aborts(url, fake, engine):
+    before = len(fake.aborted)
+    body = {"prompt": "abc", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with slow_steps(fake), httpx.Client(timeout=30) as http:
+        with http.stream("POST", url + "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(3)]
+            assert got[0].startswith("data: ")
+        assert _wait_idle(fake, engine)
+    assert len(fake.aborted) == before + 1
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_disconnect_while_waiting_non_streaming_aborts(url, fake, engine):
+    before = len(fake.aborted)
+    with slow_steps(fake):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", timeout=0.3,
+                       json={"prompt": "abc", "max_tokens": 120, "ignore_eos": True})
+        assert _wait_idle(fake, engine)
+    assert len(fake.aborted) == before + 1
+
+
+def test_many_concurrent_streams(url, fake, engine):
+    import asyncio
+
+    async def one(http, i):
+        n = 5 + i % 13
+        body = {"prompt": "abc", "max_tokens": n, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        text, usage = "", None
+        async with http.stream("POST", url + "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"]:
+                        text += chunk["choices"][0]["text"]
+                    usage = chunk.get("usage") or usage
+        return n, text, usage
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(32)))
+
+    for n, text, usage in asyncio.run(main()):
+        assert len(text) == n and usage["completion_tokens"] == n
+    assert _wait_idle(fake, engine)
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_api_key(engine):
+    app = build_app(engine, [MODEL], api_key="sekrit")
+    with serve_in_thread(app) as base:
+        assert httpx.get(base + "/v1/models").status_code == 401
+        bad = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == 401
+        ok = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200
+        assert httpx.get(base + "/health").status_code == 200  # not under /v1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong",
+                          max_retries=0).models.list()
+        client = openai.OpenAI(base_url=base + "/v1", api_key="sekrit", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="a", max_tokens=2).choices
+
+
+def test_draining_refuses_new_requests(url, app):
+    state = app.state.server
+    state.draining = True
+    try:
+        resp = post(url, "/v1/completions", {"prompt": "a"})
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == 503
+        assert httpx.get(url + "/health").status_code == 503
+    finally:
+        state.draining = False
+    assert httpx.get(url + "/health").status_code == 200
