@@ -122,16 +122,16 @@ class _SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, StrictFloat] | None = None
     request_id: StrictStr | None = None
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams keyword arguments for the fields the client set."""
-        kwargs: dict[str, Any] = {
-            "n": self.n, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": self.skip_special_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-        }
-        for name in ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    def sampling_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """SamplingParams keyword arguments: the fields the client set, else `defaults` (the
+        model's generation_config values), else SamplingParams' own defaults."""
+        kwargs: dict[str, Any] = dict(defaults or {})
+        kwargs.update(n=self.n, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      skip_special_tokens=self.skip_special_tokens)
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                     "stop_token_ids", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value

@@ -73,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt), request.output_budget(), "messages",
                                              budget_param)
         num_logprobs = (top or 0) if request.logprobs else None
-        params = self.sampling_params(request.sampling_kwargs(), max_tokens, num_logprobs)
+        params = self.sampling_params(request.sampling_kwargs(self.default_sampling),
+                                      max_tokens, num_logprobs)
         base_id = random_id("chatcmpl")
         created = int(time.time())
         streams = await self.start(base_id, [prompt], params)

@@ -56,6 +56,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = _vocab_size(tokenizer, engine)
+        self.default_sampling = _generation_defaults(engine)
         self._token_text: dict[int, str] = {}
 
     # ---- request checks ------------------------------------------------------------------
@@ -252,6 +253,27 @@ def _by_rank(entry: dict) -> list[tuple[int, Any]]:
                                                  else 1 << 30, -kv[1].logprob))
 
 
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_defaults(engine: Any) -> dict[str, Any]:
+    """The model's generation_config sampling defaults (used for fields a request leaves
+    unset), if the engine exposes them."""
+    getter = getattr(getattr(engine, "engine", None), "get_default_sampling_params", None)
+    if not callable(getter):
+        return {}
+    try:
+        params = getter()
+    except Exception:  # noqa: BLE001 - a bad generation_config must not stop serving
+        logger.warning("ignoring the model's generation_config defaults", exc_info=True)
+        return {}
+    from vllm.sampling_params import SamplingParams
+
+    plain = SamplingParams()
+    return {name: getattr(params, name) for name in _DEFAULTABLE
+            if getattr(params, name) != getattr(plain, name)}
+
+
 def _vocab_size(tokenizer: Any, engine: Any) -> int | None:
     try:
         return int(engine.model_config.get_vocab_size())
@@ -294,7 +316,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append(ids)
         longest = max(len(p) for p in prompts)
         max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
-        params = self.sampling_params(request.sampling_kwargs(), max_tokens, request.logprobs)
+        params = self.sampling_params(request.sampling_kwargs(self.default_sampling),
+                                      max_tokens, request.logprobs)
         base_id = random_id("cmpl")
         created = int(time.time())
         streams = await self.start(base_id, prompts, params)

@@ -1,0 +1,250 @@
+"""`vllm serve` as a real process on a tiny checkpoint, driven by the official openai client.
+
+One server for the whole module (started once): -O0, a 1 MiB KV cache (about 127 blocks of 16
+tokens, so the load test overfills it and requests must wait or be preempted), an API key.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import RemoteServer
+
+from vllm.entrypoints.openai.metrics import metric_value
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def server(llama_path, tmp_path_factory):
+    srv = RemoteServer("vllm.entrypoints.cli.main", [
+        "serve", llama_path, "-O0", "--kv-cache-memory", "1MiB", "--max-model-len", "512",
+        "--served-model-name", MODEL, "--api-key", KEY, "--disable-uvicorn-access-log"],
+        log_dir=str(tmp_path_factory.mktemp("logs")))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_path):
+    from vllm import LLM
+
+    return LLM(model=llama_path, optimization_level=0, max_model_len=512)
+
+
+def metrics(server) -> str:
+    return httpx.get(server.url + "/metrics", timeout=10).text
+
+
+def wait_pool_free(server, timeout: float = 20.0) -> str:
+    """Wait until nothing runs and every KV block is free again; return the metrics text."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = metrics(server)
+        free = metric_value(text, "vllm:kv_cache_free_blocks")
+        total = metric_value(text, "vllm:kv_cache_total_blocks")
+        idle = (metric_value(text, "vllm:num_requests_running") == 0
+                and metric_value(text, "vllm:num_requests_waiting") == 0
+                and metric_value(text, "vllm:num_requests_in_flight") == 0)
+        if (idle and free == total) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
+def test_startup_log_shows_level_and_phases(server):
+    log = server.log()
+    ready = log.index("Application startup complete")
+    assert -1 < log.index("Optimization level O0") < ready
+    assert -1 < log.index("Start-up phases") < ready
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == 512
+
+
+def test_greedy_completion_equals_llm_generate(client, llm):
+    from vllm import SamplingParams
+
+    expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=16),
+                            use_tqdm=False)[0].outputs[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == expected.finish_reason
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    assert out.usage.prompt_tokens == len(llm.get_tokenizer().encode(PROMPT))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_chat_and_chat_stream(client, llm):
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                         temperature=0)
+    text = out.choices[0].message.content
+    tok = llm.get_tokenizer()
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_n_and_seed(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=2,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text == out.choices[1].text  # greedy: both the same
+    assert out.usage.completion_tokens == 16
+    sampled = [client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                         temperature=1.0, seed=1234).choices[0].text
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_stop_string(client):
+    full = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    match = re.search(r"[A-Za-z]{2,}", text[1:])
+    if match is None:
+        pytest.skip(f"no ASCII word in the greedy text {text!r}")
+    stop = match.group(0)
+    out = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24,
+                                    temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == text[:text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=24,
+                                            temperature=0, stop=stop, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == text[:text.index(stop)]
+
+
+def test_64_concurrent_streams_complete_and_free_the_pool(server, client):
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                                 timeout=120)
+    words = PROMPT.split()
+
+    async def one(i: int) -> tuple[int, int, str | None]:
+        n = 4 + (i * 7) % 60
+        prompt = " ".join(words[: 1 + i % len(words)] * (1 + i % 4))
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=n, temperature=0.8, seed=i, stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "min_tokens": n})
+        usage, reason = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return n, usage.completion_tokens, reason
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert all(got == want and reason == "length" for want, got, reason in results), results
+    text = wait_pool_free(server)
+    assert metric_value(text, "vllm:kv_cache_free_blocks") == \
+        metric_value(text, "vllm:kv_cache_total_blocks")
+
+
+BAD = [
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ("/v1/completions", b"{oops", 400, None),
+    ("/v1/completions", {"prompt": "a", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 10**7}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hello " * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "a", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": {"text": "a"}}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400,
+     "messages[0].content"),
+]
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server, client):
+    result = {}
+
+    def long_stream():
+        chunks = list(client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        result["usage"] = chunks[-1].usage
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    for path, body, status, param in BAD:
+        kw = {"content": body, "headers": {**AUTH, "content-type": "application/json"}} \
+            if isinstance(body, bytes) else {"json": body, "headers": AUTH}
+        resp = httpx.post(server.url + path, timeout=30, **kw)
+        assert resp.status_code == status, (body, resp.text)
+        err = resp.json()["error"]
+        assert err["code"] == status and err["param"] == param and err["message"], err
+    thread.join(60)
+    assert result["usage"].completion_tokens == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_api_key(server):
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == 401
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # outside /v1: open
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    before = metric_value(metrics(server), 'vllm:request_success_total{model_name="tiny",'
+                          'finished_reason="abort"}') or 0
+    body = {"prompt": PROMPT, "max_tokens": 450, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body,
+                         headers=AUTH) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            for _ in range(6):
+                next(lines)
+    text = wait_pool_free(server)
+    assert metric_value(text, "vllm:kv_cache_free_blocks") == \
+        metric_value(text, "vllm:kv_cache_total_blocks")
+    after = metric_value(text, 'vllm:request_success_total{model_name="tiny",'
+                         'finished_reason="abort"}')
+    assert after == before + 1
+
+
+def test_metrics_after_traffic(server):
+    text = metrics(server)
+    assert metric_value(text, "vllm:generation_tokens_total") > 1000
+    assert metric_value(text, "vllm:time_to_first_token_seconds_count") >= 64
+    assert 'vllm:startup_phase_seconds{model_name="tiny",phase=' in text
+    assert metric_value(text, "vllm:kv_cache_usage_perc") == 0.0
