@@ -10,12 +10,7 @@ try:
 except ImportError:  # tests/ itself on sys.path (plain `pytest`)
     from model_executor.hf_checkpoints import make_llama
 
-# Prompts of different lengths; the last two share a 2-block prefix with each other.
-SHARED = ("The scheduler decides which requests run in each step under a budget of tokens "
-          "and chunked prefill splits a long prompt")
-PROMPTS = ["Hello world!", "The quick brown fox jumps over the lazy dog",
-           SHARED + " into pieces.", SHARED + " so decodes keep running.", "A"]
-MAX_TOKENS = 12
+from engine_test_utils import MAX_TOKENS
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MAX_TOKENS, PROMPTS
+from engine_test_utils import MAX_TOKENS, PROMPTS
 
 from vllm import LLM, SamplingParams
 

@@ -188,6 +188,12 @@ class LLMEngine:
         """Run one engine step; return the RequestOutputs of requests that progressed
         (cumulative text and tokens; `finished` once all n sequences are done)."""
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.scheduler.has_unfinished_requests():
+            # The KV pool always holds one max-length sequence, so this is a bug: fail loudly
+            # instead of spinning.
+            raise RuntimeError(f"the scheduler could not schedule any of its "
+                               f"{self.scheduler.get_num_unfinished_requests()} unfinished "
+                               f"requests: {self.scheduler.stats()}")
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
         runner_output = self.executor.execute_model(scheduler_output)

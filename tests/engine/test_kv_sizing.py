@@ -1,0 +1,54 @@
+"""KV cache sizing: defaults, env, cap, override, the clear too-small error; TP > 1."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
+from vllm.engine.executor import Executor, UniProcExecutor
+from vllm.engine.worker import GiB, determine_num_blocks
+
+BLOCK_BYTES = 1 << 20  # 1 MiB per block
+
+
+def config(max_len=64, max_seqs=4, **cache):
+    return SimpleNamespace(
+        cache_config=CacheConfig(block_size=16, **cache),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=max_seqs,
+                                         max_model_len=max_len))
+
+
+def test_default_is_capped_at_what_the_scheduler_can_use(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    num, why = determine_num_blocks(config(), BLOCK_BYTES)
+    assert num == 4 * 4 + 1 and "capped" in why
+
+
+def test_explicit_memory_env_and_override(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert determine_num_blocks(config(max_seqs=100, kv_cache_memory=10 * BLOCK_BYTES),
+                                BLOCK_BYTES)[0] == 10
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.0078125")  # 8 MiB
+    num, why = determine_num_blocks(config(max_seqs=100), BLOCK_BYTES)
+    assert num == 8 and "VLLM_CPU_KVCACHE_SPACE" in why
+    assert determine_num_blocks(config(num_gpu_blocks_override=7), BLOCK_BYTES)[0] == 7
+    assert determine_num_blocks(config(), BLOCK_BYTES, available_bytes=6 * BLOCK_BYTES)[0] == 6
+
+
+def test_too_small_names_the_numbers():
+    with pytest.raises(ValueError) as info:
+        determine_num_blocks(config(max_len=64, kv_cache_memory=3 * BLOCK_BYTES), BLOCK_BYTES)
+    message = str(info.value)
+    assert f"{BLOCK_BYTES} bytes per block" in message and "5 blocks needed" in message
+    assert "3 available" in message and "max_model_len=64" in message
+    with pytest.raises(ValueError, match="5 blocks needed"):
+        determine_num_blocks(config(), BLOCK_BYTES, available_bytes=-GiB)
+
+
+def test_executor_class():
+    single = SimpleNamespace(parallel_config=ParallelConfig())
+    assert Executor.get_class(single) is UniProcExecutor
+    tp2 = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+        Executor.get_class(tp2)

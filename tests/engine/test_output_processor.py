@@ -1,0 +1,79 @@
+"""OutputProcessor: incremental detokenisation, stop strings (and their hold-back), n fan-in,
+logprob dicts."""
+from __future__ import annotations
+
+from vllm.engine.output_processor import (
+    IncrementalDetokenizer,
+    OutputProcessor,
+    find_stop_string,
+)
+from vllm.engine.sched_output import EngineCoreOutput, LogprobsLists
+from vllm.sampling_params import SamplingParams
+
+
+def test_incremental_matches_full_decode(tokenizer):
+    text = "Paged attention stores keys and values in blocks. Hello world! 42 + 7 = 49 ü€😀"
+    ids = tokenizer.encode(text)
+    prompt = tokenizer.encode("Say:")
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True)
+    pieces = [detok.update(t) for t in ids]
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids)
+    # Multi-byte characters are held back until complete, never emitted half-done.
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_find_stop_string():
+    assert find_stop_string("hello world", 5, ["wor", "o"], False) == ("wor", 6)
+    assert find_stop_string("hello world", 3, ["o w"], True) is None  # completed earlier
+    assert find_stop_string("hello world", 5, ["o w"], True) == ("o w", 7)
+    assert find_stop_string("abcabc", 1, ["b"], False) is None
+
+
+def _step(req_id, tokens, finish=None, **kw):
+    return EngineCoreOutput(request_id=req_id, new_token_ids=tokens, finish_reason=finish, **kw)
+
+
+def test_stop_string_truncates_and_holds_back(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    ids = tokenizer.encode(" quick brown fox jumps")
+    params = SamplingParams(stop=["fox"])
+    proc.add_request("r", "p", [5], params, ["r"], [params])
+    seen = []
+    for token in ids:
+        outs, stopped = proc.process_outputs([_step("r", [token])])
+        seen.append(outs[0].outputs[0].text)
+        if stopped:
+            break
+    assert stopped == ["r"]
+    final = outs[0]
+    assert final.finished and final.outputs[0].text == " quick brown "
+    assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == "fox"
+    # No intermediate text ever showed a partial "fox".
+    assert all("f" not in text.replace(" quick brown ", "") for text in seen)
+    assert not proc.has_unfinished_requests()
+
+
+def test_n_fan_in_and_logprobs(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2, logprobs=1)
+    proc.add_request("r", None, [5, 6], params, ["0_r", "1_r"], [params, params])
+    lp = LogprobsLists([7, 9], [-0.5, -0.1], [2, 1])
+    outs, _ = proc.process_outputs([_step("0_r", [7], new_logprobs=[lp])])
+    assert not outs[0].finished and len(outs[0].outputs) == 2
+    outs, _ = proc.process_outputs([_step("1_r", [9], "length", new_logprobs=[lp]),
+                                    _step("0_r", [9], "length", new_logprobs=[lp])])
+    out = outs[0]
+    assert out.finished and [c.index for c in out.outputs] == [0, 1]
+    first = out.outputs[0]
+    assert first.token_ids == [7, 9] and first.cumulative_logprob == -1.0
+    assert first.logprobs[0][7].rank == 2 and first.logprobs[0][9].logprob == -0.1
+    assert first.logprobs[0][7].decoded_token == tokenizer.decode([7])
+
+
+def test_abort_returns_unfinished_internal_ids(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(n=2)
+    proc.add_request("r", None, [5], params, ["0_r", "1_r"], [params, params])
+    proc.process_outputs([_step("0_r", [7], "length")])
+    assert proc.abort_requests(["r", "unknown"]) == ["1_r"]
+    assert not proc.has_unfinished_requests()
