@@ -84,8 +84,9 @@ def test_n_completions(llm, hf_greedy):
     assert [c.index for c in out.outputs] == [0, 1]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
-    out = llm.generate(PROMPTS[1], greedy(n=3), use_tqdm=False)[0]
+    out = llm.generate(PROMPTS[1], greedy(n=3, prompt_logprobs=0), use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [hf_greedy(PROMPTS[1])] * 3
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
 
 
 def test_stop_strings_and_stop_tokens(llm, hf_greedy):

@@ -162,6 +162,10 @@ class LLMEngine:
                 child.n = 1
                 if child.seed is not None:
                     child.seed += i
+                if i > 0:
+                    # The prompt is the same: one sequence computes its logprobs, and the
+                    # others may then use the prefix cache.
+                    child.prompt_logprobs = None
                 internal.append((f"{i}_{request_id}", child))
         self.output_processor.add_request(request_id, text, token_ids, params,
                                           [i for i, _ in internal], [p for _, p in internal])
