@@ -174,11 +174,14 @@ class VllmBackend:
         with _stage("fake propagation through the pieces", self.dumper):
             piece_inputs = _PieceInputRecorder(split_gm).record(_fake_inputs(example_inputs))
         cudagraph_mode = self.vllm_config.compilation_config.cudagraph_mode
+        freeze = self.compiler.name == "inductor" and bool(
+            self.vllm_config.compilation_config.freezing)
         for item in items:
             if item.is_splitting:
                 continue
+            constants = _parameter_inputs(split_gm, item.name, example_inputs) if freeze else None
             runnable: Callable = PiecewiseBackend(item.graph, item.index,
-                                                  piece_inputs[item.name], self)
+                                                  piece_inputs[item.name], self, constants)
             if cudagraph_mode is not None and cudagraph_mode.has_piecewise_cudagraphs():
                 runnable = CUDAGraphWrapper(runnable, self.vllm_config, CUDAGraphMode.PIECEWISE)
             # Shadow the submodule: the split module's code looks it up as an attribute.
@@ -239,6 +242,21 @@ class VllmBackend:
             except Exception as e:
                 logger.warning("compile cache: could not save %s: %s", name, e)
             return artifact
+
+
+def _parameter_inputs(split_gm: fx.GraphModule, name: str, example_inputs: list[Any]
+                      ) -> dict[int, torch.Tensor]:
+    """Positions of the arguments of submodule `name` that are model parameters (Dynamo passes
+    parameters as graph inputs), with the parameter tensors."""
+    placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
+    index_of = {node: i for i, node in enumerate(placeholders)}
+    call = next(n for n in split_gm.graph.nodes if n.op == "call_module" and n.target == name)
+    constants = {}
+    for position, arg in enumerate(call.args):
+        i = index_of.get(arg)
+        if i is not None and isinstance(example_inputs[i], torch.nn.Parameter):
+            constants[position] = example_inputs[i]
+    return constants
 
 
 def traced_source_files(gm: fx.GraphModule) -> list[str]:

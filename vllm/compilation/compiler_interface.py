@@ -108,7 +108,8 @@ class InductorCompiler:
         static = compile_range.is_single_size
         start = time.perf_counter()
         with pass_context(compile_range=compile_range, piece_index=piece_index,
-                          dump_dir=dump_dir), inductor_cache_dir(cache_dir):
+                          dump_dir=dump_dir), inductor_cache_dir(cache_dir), \
+                _quiet_unless(self.savable, "torch._inductor.standalone_compile"):
             artifact = standalone_compile(
                 gm, example_inputs, dynamic_shapes="from_example_inputs",
                 options={"config_patches": patches})
@@ -128,6 +129,24 @@ class InductorCompiler:
 
         with inductor_cache_dir(cache_dir):
             return CompiledArtifact.load(path=path, format="binary")
+
+
+@contextlib.contextmanager
+def _quiet_unless(condition: bool, logger_name: str):
+    """Silence a torch logger's warnings (e.g. "cannot save" for frozen graphs we never
+    save) unless `condition`."""
+    import logging
+
+    if condition:
+        yield
+        return
+    torch_logger = logging.getLogger(logger_name)
+    level = torch_logger.level
+    torch_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_logger.setLevel(level)
 
 
 @contextlib.contextmanager

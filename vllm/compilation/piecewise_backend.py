@@ -55,12 +55,41 @@ def with_tuple_output(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
     return new, True
 
 
+def inputs_to_constants(gm: fx.GraphModule, constants: dict[int, torch.Tensor]
+                        ) -> fx.GraphModule:
+    """A copy of `gm` where the placeholders at the given input positions read attributes
+    holding those tensors (for Inductor freezing, which folds attributes, not inputs)."""
+    graph = copy.deepcopy(gm.graph)
+    new = fx.GraphModule(gm, graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for index, tensor in constants.items():
+        node = placeholders[index]
+        attr = f"_frozen_{index}_{node.name}"
+        new.register_buffer(attr, tensor.detach(), persistent=False)
+        with graph.inserting_before(node):
+            get = graph.get_attr(attr)
+        get.meta = dict(node.meta)
+        node.replace_all_uses_with(get)
+        graph.erase_node(node)
+    new.recompile()
+    return new
+
+
 class PiecewiseBackend:
-    """Callable standing in for one split submodule of the model graph."""
+    """Callable standing in for one split submodule of the model graph.
+
+    `constant_inputs` (piece input position -> tensor, the weights when Inductor freezing is
+    on) become attributes of the compiled graph and are dropped from the call's arguments."""
 
     def __init__(self, gm: fx.GraphModule, piece_index: int, example_inputs: list[Any],
-                 vllm_backend: VllmBackend) -> None:
+                 vllm_backend: VllmBackend,
+                 constant_inputs: dict[int, torch.Tensor] | None = None) -> None:
         gm, self.single_output = with_tuple_output(gm)
+        self.keep: list[int] | None = None
+        if constant_inputs:
+            gm = inputs_to_constants(gm, constant_inputs)
+            self.keep = [i for i in range(len(example_inputs)) if i not in constant_inputs]
+            example_inputs = [example_inputs[i] for i in self.keep]
         self.gm = gm
         self.piece_index = piece_index
         self.vllm_backend = vllm_backend
@@ -108,5 +137,7 @@ class PiecewiseBackend:
         return self.range_runnables[self.ranges[-1]]
 
     def __call__(self, *args: Any) -> Any:
+        if self.keep is not None:
+            args = tuple(args[i] for i in self.keep)
         output = self.runnable_for(self.num_tokens(args), args)(*args)
         return output[0] if self.single_output else output

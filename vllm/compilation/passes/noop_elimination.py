@@ -24,6 +24,12 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
 def _same(a: Any, b: Any) -> bool:
     """a == b for ints and SymInts, when statically known."""
     if isinstance(a, int) and isinstance(b, int):
@@ -97,7 +103,8 @@ class NoOpEliminationPass(VllmInductorPass):
         return True
 
     def _slice(self, node: fx.Node) -> int:
-        src, dim, start, end, step = (list(node.args) + [0, None, None, 1])[:5]
+        src, dim = _arg(node, 0, "self"), _arg(node, 1, "dim", 0)
+        start, end, step = _arg(node, 2, "start"), _arg(node, 3, "end"), _arg(node, 4, "step", 1)
         src_val = _val(src)
         if src_val is None:
             return 0
@@ -109,7 +116,8 @@ class NoOpEliminationPass(VllmInductorPass):
         return 1
 
     def _slice_scatter(self, node: fx.Node) -> int:
-        base, src, dim, start, end, step = (list(node.args) + [0, None, None, 1])[:6]
+        base, src, dim = _arg(node, 0, "self"), _arg(node, 1, "src"), _arg(node, 2, "dim", 0)
+        start, end, step = _arg(node, 3, "start"), _arg(node, 4, "end"), _arg(node, 5, "step", 1)
         base_val, src_val = _val(base), _val(src)
         if base_val is None or src_val is None or not _same_shape(base_val.shape, src_val.shape):
             return 0
