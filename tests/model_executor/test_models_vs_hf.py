@@ -163,3 +163,17 @@ def test_dummy_load_format(checkpoints, tmp_path):
     assert logits.shape == (9, VOCAB) and torch.isfinite(logits).all()
     again = get_model(config, load_format="dummy")  # seeded: the same weights
     torch.testing.assert_close(again.lm_head.weight, model.lm_head.weight)
+
+
+def test_bfloat16_model_runs_close_to_float32(checkpoints):
+    path = checkpoints("qwen2")
+    config = VllmConfig(model_config=ModelConfig(model=path, dtype="bfloat16"),
+                        optimization_level=0)
+    model = get_model(config)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32
+    prompt = random_tokens(13, 8)
+    logits = PagedRunner(model, config).step([("p", prompt)])["p"]
+    assert logits.dtype == torch.float32
+    reference = hf_logits(path, {"p": prompt})["p"]
+    torch.testing.assert_close(logits, reference, atol=0.15, rtol=0.05)

@@ -43,6 +43,7 @@ def get_model(vllm_config: Any, load_format: str | None = "auto") -> nn.Module:
     if model_config is None:
         raise ValueError("get_model needs a VllmConfig with a model_config")
     load_format = _resolve_load_format(vllm_config, load_format)
+    _check_tensor_parallel(vllm_config)
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architectures)
     files = weight_files(model_config.model) if load_format != "dummy" else []
     dtype = model_config.torch_dtype or torch.float32
@@ -65,6 +66,18 @@ def get_model(vllm_config: Any, load_format: str | None = "auto") -> nn.Module:
     logger.info("Loaded %s (%s, %s) on %s with load_format=%s", arch, model_config.model,
                 str(dtype).replace("torch.", ""), device, load_format)
     return model.eval()
+
+
+def _check_tensor_parallel(vllm_config: Any) -> None:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    wanted = vllm_config.parallel_config.tensor_parallel_size
+    actual = get_tensor_model_parallel_world_size()
+    if wanted != actual:
+        raise RuntimeError(
+            f"tensor_parallel_size={wanted} but the tensor-parallel group has {actual} "
+            "rank(s): call init_distributed_environment() and initialize_model_parallel() "
+            "in every worker before get_model()")
 
 
 def _resolve_load_format(vllm_config: Any, load_format: str | None) -> str:

@@ -177,14 +177,15 @@ class TorchSDPAImpl(AttentionImpl):
                 plan: _DecodePlan, gqa: bool) -> None:
         batch, num_blocks = plan.block_table.shape
         block_size = kv_cache.shape[2]
-        # [B, blocks, block_size, kv_heads, hd] -> [B, kv_heads, blocks*block_size, hd]
-        keys = kv_cache[0][plan.block_table].view(batch, num_blocks * block_size,
-                                                  self.num_kv_heads, self.head_size)
-        values = kv_cache[1][plan.block_table].view_as(keys)
+        # One index_select over whole blocks (rows of K and V together) is ~2x faster on the
+        # CPU than advanced indexing of the 5-D cache.
+        gathered = _gather_blocks(kv_cache, plan.block_table.flatten()).view(
+            2, batch, num_blocks * block_size, self.num_kv_heads, self.head_size)
+        keys = gathered[0].transpose(1, 2).to(q.dtype)  # [B, kv_heads, max_len, hd]
+        values = gathered[1].transpose(1, 2).to(q.dtype)
         queries = q[plan.token_index].unsqueeze(2)  # [B, heads, 1, hd]
-        result = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=plan.mask, scale=self.scale, enable_gqa=gqa)
+        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask,
+                                                scale=self.scale, enable_gqa=gqa)
         out[plan.token_index] = result.squeeze(2)
 
     def _prefill(self, q, k, v, out, kv_cache, md, req, start, query_len, seq_len,
@@ -198,8 +199,9 @@ class TorchSDPAImpl(AttentionImpl):
         else:
             num_blocks = -(-seq_len // kv_cache.shape[2])
             blocks = md.block_table[req, :num_blocks].to(torch.int64)
-            keys = kv_cache[0][blocks].flatten(0, 1)[:seq_len]
-            values = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
+            gathered = _gather_blocks(kv_cache, blocks).view(
+                2, -1, self.num_kv_heads, self.head_size)[:, :seq_len]
+            keys, values = gathered[0], gathered[1]
             rows = torch.arange(query_len, device=q.device).unsqueeze(1) + context_len
             mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= rows
             causal = False
@@ -208,6 +210,11 @@ class TorchSDPAImpl(AttentionImpl):
             values.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal,
             scale=self.scale, enable_gqa=gqa)
         out[start:end] = result.squeeze(0).transpose(0, 1)
+
+
+def _gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[2, len(blocks), block_size * kv_heads * head_size]: K and V of the listed blocks."""
+    return kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)
 
 
 class TorchSDPABackend(AttentionBackend):

@@ -1,0 +1,97 @@
+"""Layer-level checks: custom-op dispatch, MoE forms, packed weight loaders, RoPE dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.fused_moe import (
+    fused_experts_dense,
+    fused_experts_grouped,
+    select_experts,
+)
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from vllm.model_executor.layers.rotary_embedding import get_rope
+
+
+def test_custom_op_dispatch_follows_the_current_config():
+    assert RMSNorm(8)._forward_method.__name__ == "forward_native"  # no current config
+    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["none", "+rms_norm"]),
+                        optimization_level=0)
+    with set_current_vllm_config(config):
+        assert RMSNorm(8)._forward_method.__name__ == "forward_cpu"
+        assert SiluAndMul()._forward_method.__name__ == "forward_native"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_forms_agree(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-5).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(norm.forward_cpu(x), norm.forward_native(x), atol=tol, rtol=tol)
+    for got, want in zip(norm.forward_cpu(x, residual), norm.forward_native(x, residual)):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    out, new_residual = norm.forward_native(x, residual)
+    torch.testing.assert_close(new_residual, (x.float() + residual.float()).to(dtype))
+
+
+def test_moe_forms_match_a_per_token_reference():
+    torch.manual_seed(0)
+    tokens, hidden, inter, experts, top_k = 9, 16, 12, 4, 2
+    x = torch.randn(tokens, hidden)
+    w13 = torch.randn(experts, 2 * inter, hidden) * 0.3
+    w2 = torch.randn(experts, hidden, inter) * 0.3
+    weights, ids = select_experts(torch.randn(tokens, experts), top_k)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(tokens))
+    expected = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = ids[t, j]
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            expected[t] += weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    grouped = fused_experts_grouped(x, w13, w2, weights, ids)
+    torch.testing.assert_close(grouped, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_experts_dense(x, w13, w2, weights, ids), expected,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.ops.vllm.fused_moe_experts(x, w13, w2, weights, ids),
+                               expected, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_loaders_accept_split_and_fused_tensors():
+    torch.manual_seed(0)
+    qkv = QKVParallelLinear(16, head_size=4, total_num_heads=4, total_num_kv_heads=2, bias=True)
+    q, k, v = torch.randn(16, 16), torch.randn(8, 16), torch.randn(8, 16)
+    for shard, tensor in zip("qkv", (q, k, v)):
+        qkv.weight.weight_loader(qkv.weight, tensor, shard)
+    torch.testing.assert_close(qkv.weight.data, torch.cat([q, k, v]))
+    fused = QKVParallelLinear(16, head_size=4, total_num_heads=4, total_num_kv_heads=2)
+    fused.weight.weight_loader(fused.weight, torch.cat([q, k, v]))
+    torch.testing.assert_close(fused.weight.data, qkv.weight.data)
+    assert qkv.weight.shard_ids == ["q", "k", "v"]
+    merged = MergedColumnParallelLinear(16, [6, 6], bias=False)
+    gate, up = torch.randn(6, 16), torch.randn(6, 16)
+    merged.weight.weight_loader(merged.weight, up, 1)
+    merged.weight.weight_loader(merged.weight, gate, 0)
+    torch.testing.assert_close(merged.weight.data, torch.cat([gate, up]))
+    with pytest.raises(ValueError, match="does not fit"):
+        merged.weight.weight_loader(merged.weight, torch.randn(5, 16), 0)
+
+
+def test_rope_cache_stays_float32_and_rotation_is_norm_preserving():
+    rope = get_rope(16, 16, 64, 10000.0, None)
+    rope.to(torch.bfloat16)
+    assert rope.cos_sin_cache.dtype == torch.float32
+    rope.to(torch.float32)
+    q, k = torch.randn(5, 3 * 16), torch.randn(5, 16)
+    positions = torch.tensor([0, 1, 7, 30, 63])
+    q_rot, k_rot = rope(positions, q, k)
+    assert q_rot.shape == q.shape and k_rot.shape == k.shape
+    torch.testing.assert_close(q_rot[0], q[0])  # position 0: no rotation
+    torch.testing.assert_close(q_rot.view(5, 3, 16).norm(dim=-1), q.view(5, 3, 16).norm(dim=-1))
+    with pytest.raises(ValueError, match="not supported"):
+        get_rope(16, 16, 64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
