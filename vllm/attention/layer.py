@@ -108,7 +108,11 @@ def collect_attention_layers(model: nn.Module) -> dict[str, Attention]:
 def bind_kv_cache(model: nn.Module | dict[str, Attention],
                   kv_caches: dict[str, torch.Tensor]) -> None:
     """Give every attention layer its KV cache tensor
-    [2, num_blocks, block_size, num_kv_heads, head_size] (block 0 is the dummy block)."""
+    [2, num_blocks, block_size, num_kv_heads, head_size] (block 0 is the dummy block).
+
+    Allocate caches with torch.zeros, not torch.empty: batched reads cover whole blocks and
+    mask the unused slots, and a masked weight of 0 times a NaN left in uninitialised memory
+    is still NaN."""
     if isinstance(model, dict):
         layers = model
     else:
