@@ -1,0 +1,89 @@
+"""SIGTERM on `vllm serve`: new requests get 503, a short request finishes within the grace
+period, a long one is aborted when it runs out, and the process exits 0 in time."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from server_utils import RemoteServer
+
+pytestmark = pytest.mark.slow
+
+GRACE_S = 1.5
+
+
+def test_sigterm_drains_then_exits_zero(llama_path, tmp_path):
+    server = RemoteServer("vllm.entrypoints.cli.main", [
+        "serve", llama_path, "-O0", "--kv-cache-memory", "16MiB", "--shutdown-timeout",
+        str(GRACE_S), "--disable-uvicorn-access-log"], log_dir=str(tmp_path))
+    try:
+        url = server.url + "/v1/completions"
+        long_result: dict = {"reasons": {}, "done": False}
+        started = threading.Event()
+
+        def long_stream():
+            # 32 x 480 tokens: several seconds on a CPU, far longer than the grace period.
+            body = {"prompt": "Hello", "max_tokens": 480, "n": 32, "stream": True,
+                    "ignore_eos": True, "temperature": 0}
+            with httpx.stream("POST", url, json=body, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    started.set()
+                    if line == "data: [DONE]":
+                        long_result["done"] = True
+                    elif line.startswith("data: "):
+                        for choice in json.loads(line[6:])["choices"]:
+                            if choice["finish_reason"]:
+                                long_result["reasons"][choice["index"]] = choice["finish_reason"]
+
+        short_result: dict = {"text": "", "reason": None}
+        short_started = threading.Event()
+
+        def short_stream():
+            body = {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", url, json=body, timeout=60) as resp:
+                short_result["status"] = resp.status_code
+                for line in resp.iter_lines():
+                    short_started.set()
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        for choice in chunk["choices"]:
+                            short_result["reason"] = choice["finish_reason"]
+                        if chunk.get("usage"):
+                            short_result["tokens"] = chunk["usage"]["completion_tokens"]
+
+        threads = [threading.Thread(target=long_stream), threading.Thread(target=short_stream)]
+        threads[0].start()
+        assert started.wait(30)
+        threads[1].start()
+        assert short_started.wait(30)  # both are in flight now
+        t0 = time.monotonic()
+        server.terminate()
+        refused = None
+        for _ in range(20):  # the signal handler runs between two bytecodes: retry briefly
+            resp = httpx.post(url, json={"prompt": "late"}, timeout=10)
+            if resp.status_code == 503:
+                refused = resp
+                break
+            time.sleep(0.02)
+        assert refused is not None and refused.json()["error"]["code"] == 503
+        code = server.proc.wait(GRACE_S + 15)
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.join(10)
+    finally:
+        log = server.log()
+        server.stop()
+    assert code == 0, log
+    assert elapsed < GRACE_S + 8, (elapsed, log)
+    # The short request finished normally within the grace period ...
+    assert short_result["status"] == 200
+    assert short_result["reason"] == "length" and short_result["tokens"] == 8
+    # ... the long one was cut at the end of it.
+    assert long_result["done"], log
+    assert set(long_result["reasons"]) == set(range(32))
+    assert "abort" in long_result["reasons"].values(), long_result
+    assert "SIGTERM received" in log and "aborting" in log
