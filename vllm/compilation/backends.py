@@ -39,7 +39,8 @@ logger = init_logger(__name__)
 def op_names(target: Any) -> set[str]:
     """Names a splitting_ops entry may use for a call target: "ns::op" and "ns::op.overload"."""
     if isinstance(target, torch._ops.OpOverloadPacket):
-        return {target._qualified_op_name}
+        base = target._qualified_op_name
+        return {base} | {f"{base}.{overload}" for overload in target.overloads()}
     if isinstance(target, torch._ops.OpOverload):
         base = target._schema.name
         return {base, f"{base}.{target._overloadname}"}
@@ -291,7 +292,8 @@ class _stage:
             return False
         inner = find_stage_error(exc)
         if inner is not None:
-            raise inner.with_dump_dir(self.dumper.dir if self.dumper else None) from exc
+            raise inner.with_dump_dir(self.dumper.dir if self.dumper else None) \
+                from inner.__cause__
         raise CompilationStageError(self.stage, self.piece_index,
                                     self.dumper.dir if self.dumper else None,
                                     detail=f"{type(exc).__name__}: {exc}") from exc

@@ -210,7 +210,7 @@ def _reraise(e: Exception, stage: str | None) -> None:
 
     inner = find_stage_error(e)
     if inner is not None:
-        raise inner from e
+        raise inner from inner.__cause__  # keep the original failure as the cause
     recompile = _find(e, RecompileError)
     if recompile is not None:
         raise recompile from e

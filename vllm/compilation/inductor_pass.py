@@ -50,7 +50,7 @@ class Range:
 def compile_ranges(endpoints: list[int] | None, max_num_batched_tokens: int) -> list[Range]:
     """[1, e0], [e0+1, e1], ..., [e_last+1, max_num_batched_tokens] for user endpoints strictly
     between 1 and max_num_batched_tokens (others are ignored)."""
-    points = sorted({e for e in (endpoints or []) if 1 <= e < max_num_batched_tokens})
+    points = sorted({e for e in (endpoints or []) if 1 < e < max_num_batched_tokens})
     ranges, start = [], 1
     for end in [*points, max_num_batched_tokens]:
         ranges.append(Range(start, end))
