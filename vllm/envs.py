@@ -24,9 +24,10 @@ _GETTERS = {
     "VLLM_DISABLE_COMPILE_CACHE": lambda: _flag("VLLM_DISABLE_COMPILE_CACHE"),
     "VLLM_DEBUG_DUMP_PATH": lambda: os.environ.get("VLLM_DEBUG_DUMP_PATH") or None,
     # KV cache space on the CPU, in GiB (upstream's name and unit).
-    "VLLM_CPU_KVCACHE_SPACE": lambda: (
-        float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else None
-    ),
+    "VLLM_CPU_KVCACHE_SPACE": lambda: (float(os.environ["VLLM_CPU_KVCACHE_SPACE"])
+                                       if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else None),
+    # Attention backend by name (default: the platform's choice).
+    "VLLM_ATTENTION_BACKEND": lambda: os.environ.get("VLLM_ATTENTION_BACKEND") or None,
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
     "VLLM_LOGGING_LEVEL": lambda: os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
     "TORCH_COMPILE_DISABLE": lambda: _flag("TORCH_COMPILE_DISABLE"),

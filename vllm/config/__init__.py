@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode, PassConfig
 from vllm.config.levels import OptimizationLevel
+from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
@@ -31,6 +32,6 @@ def get_current_vllm_config() -> VllmConfig | None:
     return _current_vllm_config
 
 
-__all__ = ["CacheConfig", "CompilationConfig", "CompilationMode", "CUDAGraphMode", "ModelConfig",
-           "OptimizationLevel", "ParallelConfig", "PassConfig", "SchedulerConfig", "VllmConfig",
-           "get_current_vllm_config", "set_current_vllm_config"]
+__all__ = ["CacheConfig", "CompilationConfig", "CompilationMode", "CUDAGraphMode", "LoadConfig",
+           "ModelConfig", "OptimizationLevel", "ParallelConfig", "PassConfig", "SchedulerConfig",
+           "VllmConfig", "get_current_vllm_config", "set_current_vllm_config"]

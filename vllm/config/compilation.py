@@ -195,7 +195,8 @@ class CompilationConfig:
             self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
         if isinstance(self.pass_config, dict):
             self.pass_config = PassConfig.from_dict(self.pass_config)
-        if self.backend not in ("", "inductor", "eager") and self.mode == CompilationMode.VLLM_COMPILE:
+        piecewise = self.mode == CompilationMode.VLLM_COMPILE
+        if self.backend not in ("", "inductor", "eager") and piecewise:
             raise ValueError(
                 f"Invalid backend for piecewise compilation: {self.backend!r}. "
                 "With mode VLLM_COMPILE the backend must be 'inductor' or 'eager'.")
@@ -264,4 +265,5 @@ class CompilationConfig:
 
     def compute_hash(self) -> str:
         """Hash of everything here that changes the compiled graph (not paths or warm-up counts)."""
-        return hash_fields(self, exclude=("cache_dir", "debug_dump_path", "cudagraph_num_of_warmups"))
+        return hash_fields(self, exclude=("cache_dir", "debug_dump_path",
+                                          "cudagraph_num_of_warmups"))

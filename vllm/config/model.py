@@ -123,7 +123,9 @@ class ModelConfig:
     def get_head_size(self) -> int:
         text = self.text_config
         head_dim = getattr(text, "head_dim", None)
-        return int(head_dim) if head_dim else self.get_hidden_size() // self.get_num_attention_heads()
+        if head_dim:
+            return int(head_dim)
+        return self.get_hidden_size() // self.get_num_attention_heads()
 
     def get_vocab_size(self) -> int:
         return int(self.text_config.vocab_size)
@@ -194,8 +196,8 @@ class ModelConfig:
     def compute_hash(self) -> str:
         data = {
             "architectures": self.architectures,
-            "hf_config": self.hf_config.to_json_string() if hasattr(self.hf_config, "to_json_string")
-            else repr(self.hf_config),
+            "hf_config": (self.hf_config.to_json_string()
+                          if hasattr(self.hf_config, "to_json_string") else repr(self.hf_config)),
             "dtype": str(self.torch_dtype or self.dtype),
             "max_model_len": self.max_model_len,
         }

@@ -24,6 +24,7 @@ from vllm.config.levels import (
     Cond,
     OptimizationLevel,
 )
+from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
@@ -61,6 +62,7 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
     optimization_level: OptimizationLevel | int | str | None = None
     """O0..O3 (also 0..3, "2", "O2"); None = O2, the default."""
     provenance: dict[str, Provenance] = field(default_factory=dict, init=False, repr=False)
@@ -145,8 +147,8 @@ class VllmConfig:
 
         if mc.dtype == "auto":
             mc.torch_dtype, reason = self.platform.resolve_auto_dtype(mc)
-            self.provenance["model_config.dtype"] = Provenance(f"platform {self.platform.device_name}",
-                                                               reason)
+            self.provenance["model_config.dtype"] = Provenance(
+                f"platform {self.platform.device_name}", reason)
         else:
             mc.torch_dtype = getattr(torch, mc.dtype)
         if self.scheduler_config.max_model_len is None:
@@ -215,8 +217,9 @@ class VllmConfig:
             mode = CUDAGraphMode.NONE
             self._set(path, mode, Provenance("default", "nothing set it"))
         if not self.platform.support_static_graph_mode() and mode != CUDAGraphMode.NONE:
-            self._refuse_or_downgrade(path, CUDAGraphMode.NONE,
-                                      f"the {self.platform.device_name} platform has no CUDA graphs")
+            self._refuse_or_downgrade(
+                path, CUDAGraphMode.NONE,
+                f"the {self.platform.device_name} platform has no CUDA graphs")
             return
         if mode.requires_piecewise_compilation() and cc.mode != CompilationMode.VLLM_COMPILE:
             new = mode.without_piecewise()
@@ -332,7 +335,8 @@ class VllmConfig:
 
     def explain_text(self) -> str:
         """The resolved table a person reads (`vllm config`)."""
-        rows = [(path, _show(value), prov.source, prov.reason) for path, value, prov in self.explain()]
+        rows = [(path, _show(value), prov.source, prov.reason)
+                for path, value, prov in self.explain()]
         widths = [max(len(r[i]) for r in rows + [("field", "value", "source", "reason")])
                   for i in range(3)]
         lines = [f"{'field':<{widths[0]}}  {'value':<{widths[1]}}  {'source':<{widths[2]}}  reason"]
