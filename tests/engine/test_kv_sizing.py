@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig
-from vllm.engine.executor import Executor, UniProcExecutor
+from vllm.engine.executor import Executor, MultiprocExecutor, UniProcExecutor
 from vllm.engine.worker import GiB, determine_num_blocks
 
 BLOCK_BYTES = 1 << 20  # 1 MiB per block
@@ -50,5 +50,8 @@ def test_executor_class():
     single = SimpleNamespace(parallel_config=ParallelConfig())
     assert Executor.get_class(single) is UniProcExecutor
     tp2 = SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=2))
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
-        Executor.get_class(tp2)
+    assert Executor.get_class(tp2) is MultiprocExecutor
+    tp2_uni = SimpleNamespace(parallel_config=ParallelConfig(
+        tensor_parallel_size=2, distributed_executor_backend="uni"))
+    with pytest.raises(NotImplementedError, match="distributed_executor_backend='mp'"):
+        Executor.get_class(tp2_uni)

@@ -206,3 +206,21 @@ def test_kv_cache_too_small_is_a_clear_error(llama_path):
             kv_cache_memory=100_000)
     with pytest.raises(ValueError, match="unknown engine arguments"):
         LLM(model=llama_path, optimisation_level=0)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_transformers(llama_path, hf_greedy):
+    """Two ranks (gloo on the CPU): rank 0 in this process, rank 1 spawned."""
+    llm = LLM(model=llama_path, optimization_level=0, max_model_len=256,
+              tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        outputs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        for prompt, out in zip(PROMPTS, outputs):
+            assert out.outputs[0].token_ids == hf_greedy(prompt), prompt
+        seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=6)
+        first = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.generate(PROMPTS[:2], seeded, use_tqdm=False)[0].outputs[0].token_ids \
+            == first
+    finally:
+        llm.llm_engine.shutdown()
+    assert not any(p.is_alive() for p in llm.llm_engine.executor._procs)

@@ -1,8 +1,12 @@
 """Executor: runs the workers. One process for tensor_parallel_size 1."""
 from __future__ import annotations
 
+import multiprocessing
+import socket
 import time
-from typing import TYPE_CHECKING
+import traceback
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from vllm.engine.worker import GiB, Worker
 from vllm.logger import init_logger
@@ -23,11 +27,13 @@ class Executor:
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type[Executor]:
         pc = vllm_config.parallel_config
-        if pc.world_size > 1:
+        if pc.world_size == 1:
+            return UniProcExecutor
+        if pc.distributed_executor_backend == "uni":
             raise NotImplementedError(
-                f"tensor_parallel_size={pc.tensor_parallel_size} needs the multiprocess executor, "
-                "which is not implemented yet; run with tensor_parallel_size=1.")
-        return UniProcExecutor
+                f"tensor_parallel_size={pc.tensor_parallel_size} needs one process per rank: "
+                "use distributed_executor_backend='mp' (the default for tensor parallelism).")
+        return MultiprocExecutor
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
@@ -40,30 +46,37 @@ class UniProcExecutor(Executor):
     """The worker lives in this process."""
 
     def __init__(self, vllm_config: VllmConfig, load_format: str = "auto") -> None:
+        self.vllm_config = vllm_config
+        self.worker = Worker(vllm_config)
+        self._start(load_format)
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Run a Worker method on every rank; results in rank order."""
+        return [getattr(self.worker, method)(*args)]
+
+    def _start(self, load_format: str) -> None:
         from vllm.compilation.monitor import get_startup_timer
 
-        self.vllm_config = vllm_config
         timer = get_startup_timer()
         self.startup_phases: dict[str, float] = {}
 
-        def timed(phase: str, fn, *args):
+        def timed(phase: str, method: str, *args: Any) -> list[Any]:
             start = time.perf_counter()
             with timer.phase(phase):
-                result = fn(*args)
+                result = self._call_all(method, *args)
             self.startup_phases[phase] = time.perf_counter() - start
             return result
 
-        self.worker = Worker(vllm_config)
-        self.worker.init_device()
-        timed("weight loading", self.worker.load_model, load_format)
-        self.num_blocks = timed("kv cache allocation", self._allocate_kv_cache)
+        self._call_all("init_device")
+        timed("weight loading", "load_model", load_format)
+        start = time.perf_counter()
+        with timer.phase("kv cache allocation"):
+            # Every rank must fit the cache: take the smallest.
+            self.num_blocks = min(self._call_all("determine_num_blocks"))
+            self._call_all("initialize_cache", self.num_blocks)
+        self.startup_phases["kv cache allocation"] = time.perf_counter() - start
         self._log_kv_cache()
-        timed("warm-up", self.worker.compile_or_warm_up_model)
-
-    def _allocate_kv_cache(self) -> int:
-        num_blocks = self.worker.determine_num_blocks()
-        self.worker.initialize_cache(num_blocks)
-        return num_blocks
+        timed("warm-up", "compile_or_warm_up_model")
 
     def _log_kv_cache(self) -> None:
         cc, sc = self.vllm_config.cache_config, self.vllm_config.scheduler_config
@@ -83,3 +96,107 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class MultiprocExecutor(UniProcExecutor):
+    """Tensor parallelism: rank 0 runs in this process, ranks 1..N-1 in spawned processes.
+
+    Every call goes to all ranks (the workers first, since the forward holds collectives) and
+    waits for each rank's answer, so a failure on any rank surfaces here with its traceback
+    instead of hanging the others.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, load_format: str = "auto") -> None:
+        self.vllm_config = vllm_config
+        world = vllm_config.parallel_config.world_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        for rank in range(1, world):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_worker_main, name=f"vllm-tp-worker-{rank}",
+                                   args=(vllm_config, rank, init_method, child), daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        self.worker = Worker(vllm_config, rank=0, local_rank=0,
+                             distributed_init_method=init_method)
+        try:
+            self._start(load_format)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        for conn in self._conns:
+            conn.send((method, args))
+        # On a failure here the workers may be stuck in a collective waiting for rank 0:
+        # the error propagates and shutdown() stops them.
+        results = [getattr(self.worker, method)(*args)]
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
+            while not conn.poll(1.0):
+                if not proc.is_alive():
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code "
+                                       f"{proc.exitcode}) during {method}")
+            status, value = conn.recv()
+            if status == "error":
+                raise RuntimeError(f"tensor-parallel worker rank {rank} failed in {method}:\n"
+                                   f"{value}")
+            results.append(value)
+        return results
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call_all("execute_model", scheduler_output)[0]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+        self.worker.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_workers(procs: list[Any], conns: list[Any]) -> None:
+    for conn in conns:
+        try:
+            conn.send(("shutdown", ()))
+        except (OSError, ValueError):
+            pass
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+    for conn in conns:
+        conn.close()
+
+
+def _worker_main(vllm_config: VllmConfig, rank: int, init_method: str, conn: Any) -> None:
+    """A tensor-parallel rank > 0: run Worker methods as rank 0 asks, answer each call."""
+    worker = Worker(vllm_config, rank=rank, local_rank=rank,
+                    distributed_init_method=init_method)
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:
+                return
+            if method == "shutdown":
+                return
+            try:
+                result = getattr(worker, method)(*args)
+                # Only rank 0 samples; the others' results are not needed.
+                conn.send(("ok", None if method == "execute_model" else result))
+            except BaseException:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        worker.shutdown()

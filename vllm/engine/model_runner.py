@@ -36,7 +36,8 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    """Prompt + outputs; the runner appends what it samples."""
+    """Prompt + outputs, as the scheduler sent them (the runner never appends its own
+    samples, so every tensor-parallel rank holds the same tokens)."""
     sampling_params: SamplingParams
     generator: torch.Generator | None
     block_ids: list[int]
@@ -48,9 +49,13 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device,
+                 is_driver: bool = True) -> None:
         self.vllm_config = vllm_config
         self.device = device
+        self.is_driver = is_driver
+        """Tensor-parallel rank 0: the only rank that samples. The others run the same
+        forward and logits (they hold collectives) and return nothing."""
         self.block_size = vllm_config.cache_config.block_size
         sc = vllm_config.scheduler_config
         self.max_num_tokens = sc.max_num_batched_tokens
@@ -123,6 +128,7 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
+            state.token_ids.extend(cached.new_token_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _dispatch(self, num_tokens: int, num_reqs: int,
@@ -203,6 +209,8 @@ class ModelRunner:
                 output: ModelRunnerOutput) -> None:
         indices = self.input_buffers.commit_logits_indices(logits_indices)
         logits = self.model.compute_logits(hidden[indices])
+        if not self.is_driver:
+            return
         states = [self.requests[r] for r in req_ids]
         metadata = self._sampling_metadata(states, logits.shape[-1])
         result = self.sampler(logits, metadata)
@@ -212,7 +220,6 @@ class ModelRunner:
         if lp is not None:
             lp_lists = (lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist())
         for row, (state, token) in enumerate(zip(states, sampled)):
-            state.token_ids.append(token)
             output.sampled_token_ids[state.req_id] = token
             k = state.sampling_params.logprobs
             if k is not None and lp_lists is not None:
@@ -274,6 +281,8 @@ class ModelRunner:
             state = self.requests[req_id]
             k = state.sampling_params.prompt_logprobs
             logits = self.model.compute_logits(hidden[first_row:first_row + n])
+            if not self.is_driver:
+                continue
             targets = torch.tensor(state.token_ids[first_pos + 1:first_pos + 1 + n],
                                    device=self.device)
             lp = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)

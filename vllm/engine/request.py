@@ -63,6 +63,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None
         """Per-request RNG for seeded sampling; it lives here so it survives preemption."""
+        self.num_runner_tokens = 0
+        """Tokens the model runner holds for this request (the rest are sent next step)."""
         self.num_prompt_logprobs_done = 0
         """Prompt positions whose logprobs were delivered (a recompute skips them)."""
         self.block_hashes: list[int] = []

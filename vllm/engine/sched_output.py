@@ -29,12 +29,14 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the runner already holds: only what changed since the last step. The token
-    to compute is the one the runner sampled last step."""
+    """A request the runner already holds: only what changed since the last step."""
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
+    """Tokens sampled since the runner last saw the request (every rank gets them, so tensor
+    parallel ranks never depend on their own sampling)."""
 
 
 @dataclass

@@ -131,9 +131,11 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
-            cached_reqs.append(CachedRequestData(request.request_id,
-                                                 [b.block_id for b in new_blocks],
-                                                 request.num_computed_tokens))
+            cached_reqs.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks],
+                request.num_computed_tokens,
+                request.all_token_ids[request.num_runner_tokens:]))
+            request.num_runner_tokens = request.num_tokens
             budget -= num_new
             index += 1
 
@@ -155,6 +157,7 @@ class Scheduler:
                     kv.prefix_cache_queries += request.num_tokens
                     kv.prefix_cache_hits += num_hit
             request.num_computed_tokens = num_hit
+            request.num_runner_tokens = request.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new

@@ -1,6 +1,7 @@
 """Worker: one device. Loads the model, sizes and allocates the KV cache, runs steps."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,13 +84,16 @@ def determine_num_blocks(vllm_config: VllmConfig, block_bytes: int,
 
 
 class Worker:
-    def __init__(self, vllm_config: VllmConfig, rank: int = 0, local_rank: int = 0) -> None:
+    def __init__(self, vllm_config: VllmConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
         self.vllm_config = vllm_config
         self.rank = rank
         self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
         self.platform = vllm_config.platform
         self.model_runner: ModelRunner | None = None
         self.num_blocks = 0
+        self._saved_num_threads: int | None = None
 
     def init_device(self) -> None:
         self.platform.verify_can_run()
@@ -98,8 +102,23 @@ class Worker:
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
         self.device = device
+        self._init_distributed()
         torch.manual_seed(self.vllm_config.model_config.seed)
-        self.model_runner = ModelRunner(self.vllm_config, device)
+        self.model_runner = ModelRunner(self.vllm_config, device, is_driver=self.rank == 0)
+
+    def _init_distributed(self) -> None:
+        world = self.vllm_config.parallel_config.world_size
+        if world == 1:
+            return
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+        init_distributed_environment(world, self.rank, self.platform.dist_backend,
+                                     self.distributed_init_method, self.local_rank)
+        initialize_model_parallel(self.vllm_config.parallel_config.tensor_parallel_size)
+        if self.device.type == "cpu":
+            # The ranks share the cores: each rank gets its share, not all cores each.
+            self._saved_num_threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     def load_model(self, load_format: str = "auto") -> None:
         self.model_runner.load_model(load_format)
@@ -147,3 +166,13 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Leave the process group (tensor parallelism) and restore the thread count."""
+        if self.vllm_config.parallel_config.world_size > 1:
+            from vllm.distributed import destroy_distributed_environment
+
+            destroy_distributed_environment()
+        if self._saved_num_threads is not None:
+            torch.set_num_threads(self._saved_num_threads)
+            self._saved_num_threads = None
