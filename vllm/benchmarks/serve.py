@@ -250,7 +250,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     pcts = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        model, root = await _resolve_model(client, base, headers)
+        try:
+            model, root = await _resolve_model(client, base, headers)
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"cannot query {base}/v1/models: {exc!r}") from None
         model = args.model or model
         tokenizer = load_tokenizer(args.tokenizer or root)
         specs = sample_random_requests(args, tokenizer, as_text=chat)

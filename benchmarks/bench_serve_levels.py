@@ -1,0 +1,195 @@
+"""`vllm serve` at several optimization levels, side by side: start-up time and serving
+performance under the same load (`vllm bench serve`).
+
+For each level a fresh server process is started; start-up is timed from the process start
+to the first healthy `/health`, and the engine's own start-up phases are read from
+`/metrics`. A short warm-up load runs first (so lazily compiled shapes are not billed to the
+measured run), then the measured load. Results go to `<output-dir>/<name>.md` (a table) and
+`<name>.json`.
+
+    python benchmarks/bench_serve_levels.py                      # demo model, -O0 vs -O2
+    python benchmarks/bench_serve_levels.py --model ./m --levels 0,1,2 --num-prompts 128
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+from vllm.benchmarks.serve import add_cli_args, run_benchmark  # noqa: E402
+from vllm.entrypoints.openai.metrics import parse_metrics  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, level: int, port: int, extra: list[str], log_path: str,
+                 timeout: float) -> tuple[subprocess.Popen, float]:
+    """Start `vllm serve` and wait until /health answers; returns (process, seconds)."""
+    import httpx
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, f"-O{level}",
+           "--port", str(port), "--disable-uvicorn-access-log", *extra]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log = open(log_path, "w")  # noqa: SIM115 - owned by the process
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}/health"
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"-O{level} server exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return proc, time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"-O{level} server not healthy after {timeout} s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def bench_args(args: argparse.Namespace, port: int, num_prompts: int, label: str,
+               seed: int) -> argparse.Namespace:
+    parser = add_cli_args(argparse.ArgumentParser())
+    argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(num_prompts),
+            "--random-input-len", str(args.input_len), "--random-output-len",
+            str(args.output_len), "--random-range-ratio", str(args.range_ratio),
+            "--request-rate", str(args.request_rate), "--seed", str(seed), "--ignore-eos",
+            "--label", label]
+    if args.max_concurrency:
+        argv += ["--max-concurrency", str(args.max_concurrency)]
+    return parser.parse_args(argv)
+
+
+def startup_phases(port: int) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    phases = {}
+    for key, value in parse_metrics(text).items():
+        if key.startswith("vllm:startup_phase_seconds{"):
+            phase = key.split('phase="', 1)[1].split('"', 1)[0]
+            phases[phase] = value
+    return phases
+
+
+def run_level(args: argparse.Namespace, level: int, log_dir: str) -> dict:
+    port = free_port()
+    log_path = os.path.join(log_dir, f"serve_O{level}.log")
+    print(f"-O{level}: starting the server (log: {log_path})", flush=True)
+    proc, startup_s = start_server(args.model, level, port, args.serve_arg, log_path,
+                                   args.startup_timeout)
+    try:
+        print(f"-O{level}: healthy after {startup_s:.1f} s; warming up", flush=True)
+        warm_start = time.perf_counter()
+        if args.warmup_prompts:
+            asyncio.run(run_benchmark(bench_args(args, port, args.warmup_prompts,
+                                                 f"O{level}-warmup", seed=args.seed + 1)))
+        warmup_s = time.perf_counter() - warm_start
+        print(f"-O{level}: measuring {args.num_prompts} requests", flush=True)
+        result = asyncio.run(run_benchmark(bench_args(args, port, args.num_prompts,
+                                                      f"O{level}", seed=args.seed)))
+        phases = startup_phases(port)
+    finally:
+        code = stop_server(proc)
+    result.update(level=level, startup_to_healthy_s=startup_s, warmup_s=warmup_s,
+                  startup_phases=phases, exit_code=code)
+    return result
+
+
+def markdown(results: list[dict], args: argparse.Namespace) -> str:
+    lines = [
+        f"# `vllm serve` by optimization level ({args.model})", "",
+        f"Load: {args.num_prompts} requests, input {args.input_len} / output {args.output_len} "
+        f"tokens (±{args.range_ratio:.0%}), request rate {args.request_rate}, max concurrency "
+        f"{args.max_concurrency or 'unlimited'}, temperature 0, ignore_eos. Machine: "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}.", "",
+        "| level | start-up to healthy (s) | engine phases (s) | warm-up (s) | req/s | "
+        "output tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in r["startup_phases"].items()) or "-"
+        lines.append(
+            f"| O{r['level']} | {r['startup_to_healthy_s']:.1f} | {phases} | "
+            f"{r['warmup_s']:.1f} | {r['request_throughput']:.2f} | "
+            f"{r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} / {r['p50_ttft_ms']:.0f} / "
+            f"{r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} | {r['p99_itl_ms']:.1f} | "
+            f"{r['failed']} |")
+    if len(results) >= 2:
+        base = results[0]
+        lines.append("")
+        for r in results[1:]:
+            speed = r["output_throughput"] / base["output_throughput"] \
+                if base["output_throughput"] else float("nan")
+            start = r["startup_to_healthy_s"] / base["startup_to_healthy_s"]
+            lines.append(f"O{r['level']} vs O{base['level']}: output throughput x{speed:.2f}, "
+                         f"start-up x{start:.2f}.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--levels", default="0,2", help="Comma-separated, e.g. 0,1,2,3.")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--warmup-prompts", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.5)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=1800.0)
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="Extra flag for `vllm serve` (repeat; e.g. "
+                        "--serve-arg=--max-num-seqs=32).")
+    parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--name", default="serve_levels")
+    args = parser.parse_args()
+    try:  # the load generator's tokenizer: import once here, not inside the timed warm-up
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    os.makedirs(args.output_dir, exist_ok=True)
+    log_dir = os.path.join(args.output_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    results = [run_level(args, int(level), log_dir) for level in args.levels.split(",")]
+    table = markdown(results, args)
+    md_path = os.path.join(args.output_dir, f"{args.name}.md")
+    json_path = os.path.join(args.output_dir, f"{args.name}.json")
+    with open(md_path, "w") as f:
+        f.write(table)
+    with open(json_path, "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=2)
+    print(table)
+    print(f"wrote {md_path} and {json_path}")
+    return 0 if all(r["failed"] == 0 and r["exit_code"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
