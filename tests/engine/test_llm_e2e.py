@@ -224,3 +224,9 @@ def test_tensor_parallel_2_matches_transformers(llama_path, hf_greedy):
     finally:
         llm.llm_engine.shutdown()
     assert not any(p.is_alive() for p in llm.llm_engine.executor._procs)
+
+
+def test_dummy_weights(llama_path):
+    llm = LLM(model=llama_path, optimization_level=0, max_model_len=64, load_format="dummy")
+    out = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

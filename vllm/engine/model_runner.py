@@ -75,9 +75,12 @@ class ModelRunner:
 
         self.model = get_model(self.vllm_config, load_format=load_format)
         self.vocab_size = self.vllm_config.model_config.get_vocab_size()
-        from vllm.attention.backends.torch_sdpa import TorchSDPAMetadataBuilder
-
-        self.attn_metadata_builder = TorchSDPAMetadataBuilder()
+        backends = {layer.attn_backend for layer in self.attention_layers.values()}
+        if len(backends) != 1:
+            raise ValueError(f"the model's attention layers use {len(backends)} backends "
+                             f"({sorted(b.get_name() for b in backends)}); one is supported")
+        self.attn_backend = backends.pop()
+        self.attn_metadata_builder = self.attn_backend.get_builder_cls()()
 
     @property
     def attention_layers(self) -> dict:
@@ -90,8 +93,8 @@ class ModelRunner:
         from vllm.attention.layer import bind_kv_cache
 
         caches = {
-            name: torch.zeros((2, num_blocks, self.block_size, layer.num_kv_heads,
-                               layer.head_size), dtype=dtype, device=self.device)
+            name: torch.zeros(layer.get_kv_cache_shape(num_blocks, self.block_size),
+                              dtype=dtype, device=self.device)
             for name, layer in self.attention_layers.items()}
         bind_kv_cache(self.model, caches)
         self.kv_caches = caches

@@ -21,18 +21,21 @@ class LLM:
     to completion and return RequestOutputs in input order.
     """
 
-    def __init__(self, model: str, *, load_format: str = "auto", **kwargs: Any) -> None:
+    def __init__(self, model: str, **kwargs: Any) -> None:
         from vllm.engine.arg_utils import EngineArgs
 
         valid = {f.name for f in dataclasses.fields(EngineArgs)}
+        engine_kwargs = {}
+        if "load_format" not in valid:  # until EngineArgs carries it
+            engine_kwargs["load_format"] = kwargs.pop("load_format", "auto")
         unknown = sorted(set(kwargs) - valid)
         if unknown:
             raise ValueError(f"LLM() got unknown engine arguments {unknown}; valid ones: "
-                             + ", ".join(sorted(valid | {'load_format'})))
+                             + ", ".join(sorted(valid | {"load_format"})))
         # Offline use logs no periodic stats unless asked (as upstream).
         kwargs.setdefault("disable_log_stats", True)
         engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(engine_args, load_format=load_format)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, **engine_kwargs)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
