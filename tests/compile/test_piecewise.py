@@ -127,8 +127,8 @@ def test_compile_ranges_compile_each_range_and_dispatch_by_token_count():
 
 
 def test_piecewise_cuda_graphs_capture_each_piece_once_per_size():
-    compilation = dict(backend="eager", splitting_ops=[SILLY_OP])
-    config = VllmConfig(optimization_level=1, compilation_config=CompilationConfig(**compilation))
+    config = VllmConfig(optimization_level=1, compilation_config=CompilationConfig(
+        backend="eager", splitting_ops=[SILLY_OP]))
     # The CPU platform resolves NONE; force what a CUDA platform would use.
     config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
     with set_current_vllm_config(config):

@@ -219,8 +219,10 @@ class VllmBackend:
                         piece_index), \
                     self.timer.phase("inductor compilation", piece=piece_index, range=tag,
                                      backend=self.compiler.name, cache="off"):
-                return self.compiler.compile(gm, example_inputs, compile_range, piece_index,
-                                             dump_dir)
+                compiled = self.compiler.compile(gm, example_inputs, compile_range,
+                                                 piece_index, dump_dir)
+            self._record_output_code(piece_index, tag, dump_dir)
+            return compiled
         key = graph_hash(gm, example_inputs) + "|" + str(compile_range)
         with self.cache.lock(), self.timer.phase(
                 "inductor compilation", piece=piece_index, range=tag, backend="inductor") as info:
@@ -237,12 +239,22 @@ class VllmBackend:
             with _stage(f"inductor compile of piece {piece_index}", self.dumper, piece_index):
                 artifact = self.compiler.compile(gm, example_inputs, compile_range, piece_index,
                                                  dump_dir, self.cache.inductor_cache_dir)
+            self._record_output_code(piece_index, tag, dump_dir)
             self.cache.record(name, hit=False)
             try:
                 self.cache.store(name, key, lambda tmp: self.compiler.save(artifact, tmp))
             except Exception as e:
                 logger.warning("compile cache: could not save %s: %s", name, e)
             return artifact
+
+
+    def _record_output_code(self, piece_index: int, tag: str, dump_dir: str | None) -> None:
+        if dump_dir is None or self.compiler.name != "inductor":
+            return
+        import glob
+
+        found = sorted(glob.glob(f"{dump_dir}/inductor/**/output_code.py", recursive=True))
+        self.dumper.record_output_code(piece_index, tag, found[-1] if found else "(not found)")
 
 
 def _parameter_inputs(split_gm: fx.GraphModule, name: str, example_inputs: list[Any]

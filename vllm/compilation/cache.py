@@ -124,6 +124,8 @@ def cache_disabled_reason(vllm_config: VllmConfig) -> str | None:
 
     if envs.VLLM_DISABLE_COMPILE_CACHE:
         return "VLLM_DISABLE_COMPILE_CACHE=1"
+    if vllm_config.compilation_config.debug_dump_path:
+        return "debug_dump_path is set: everything is compiled so that the dump is complete"
     if vllm_config.compilation_config.backend != "inductor":
         return f"backend {vllm_config.compilation_config.backend!r} produces nothing to cache"
     return None

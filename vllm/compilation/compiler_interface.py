@@ -97,14 +97,22 @@ class InductorCompiler:
     @property
     def savable(self) -> bool:
         # Frozen graphs embed the weights as constants: Inductor does not cache them (and we
-        # must not: the same config with other weights would load stale constants).
-        return not self.vllm_config.compilation_config.freezing
+        # must not: the same config with other weights would load stale constants). A debug
+        # dump compiles with Inductor's cache off, so that its trace is written.
+        cc = self.vllm_config.compilation_config
+        return not cc.freezing and not cc.debug_dump_path
 
     def compile(self, gm: fx.GraphModule, example_inputs: list[Any], compile_range: Range,
                 piece_index: int, dump_dir: str | None, cache_dir: str | None = None) -> Any:
         from torch._inductor import standalone_compile
 
         patches = inductor_config_patches(self.vllm_config, self.pass_manager)
+        if dump_dir:
+            # Inductor's own debug trace (output_code.py, IR before/after fusion) next to our
+            # pass dumps.
+            patches["trace.enabled"] = True
+            patches["trace.debug_dir"] = os.path.join(dump_dir, "inductor")
+            patches["fx_graph_cache"] = False  # a cache hit would write no trace
         static = compile_range.is_single_size
         start = time.perf_counter()
         with pass_context(compile_range=compile_range, piece_index=piece_index,
