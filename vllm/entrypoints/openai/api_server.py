@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import hmac
 import json
 import signal
@@ -59,11 +60,21 @@ class ServerState:
         self.created = int(time.time())
         mc = engine.model_config
         self.max_model_len = int(mc.max_model_len)
-        tokenizer = engine.tokenizer
+        # The engine thread detokenizes with engine.tokenizer while requests are tokenized
+        # here; a Rust-backed tokenizer must not be used from two threads at once.
+        tokenizer = _own_copy(engine.tokenizer)
         self.completion = OpenAIServingCompletion(engine, self.served_model_names,
                                                   self.max_model_len, tokenizer)
         self.chat = OpenAIServingChat(engine, self.served_model_names, self.max_model_len,
                                       tokenizer)
+
+
+def _own_copy(tokenizer: Any) -> Any:
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - fall back to sharing it
+        logger.warning("could not copy the tokenizer; the server shares the engine's")
+        return tokenizer
 
 
 class _GuardMiddleware:
