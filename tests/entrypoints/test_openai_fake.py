@@ -323,3 +323,24 @@ def test_draining_refuses_new_requests(url, app):
     finally:
         state.draining = False
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_engine_death_is_reported():
+    fake = FakeEngine(step_delay=0.005)
+    engine = AsyncLLM(fake)
+    try:
+        with serve_in_thread(build_app(engine, [MODEL])) as base:
+            body = {"prompt": "abc", "max_tokens": 100, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                next(lines)
+                fake.fail_next_step = True
+                rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]"
+            assert json.loads(rest[-2][6:])["error"]["code"] == 500
+            assert httpx.get(base + "/health").status_code == 500
+            resp = post(base, "/v1/completions", {"prompt": "a"})
+            assert resp.status_code == 500 and resp.json()["error"]["code"] == 500
+    finally:
+        engine.shutdown()
