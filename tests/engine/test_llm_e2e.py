@@ -230,3 +230,47 @@ def test_dummy_weights(llama_path):
     llm = LLM(model=llama_path, optimization_level=0, max_model_len=64, load_format="dummy")
     out = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_padded_batches_match(llama_path, hf_greedy):
+    """Batches padded to CUDA-graph sizes (as the dispatcher pads them on CUDA): the padding
+    lanes write into the reserved block 0 and never change the live requests' outputs."""
+    from vllm.compilation.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.config.compilation import CUDAGraphMode
+
+    llm = LLM(model=llama_path, optimization_level=0, max_model_len=256,
+              max_num_batched_tokens=32)
+    runner = llm.llm_engine.executor.worker.model_runner
+    dispatcher = CudagraphDispatcher(runner.vllm_config)
+    dispatcher.capture_sizes, dispatcher.max_capture_size = [8, 32], 32
+    dispatcher._build_padding_table()
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.PIECEWISE)
+    runner.cudagraph_dispatcher = dispatcher
+    seen = []
+    original = runner.attn_metadata_builder.build
+
+    def build(*args, **kwargs):
+        seen.append(kwargs.get("num_padded_tokens"))
+        return original(*args, **kwargs)
+
+    runner.attn_metadata_builder.build = build
+    outputs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(prompt), prompt
+    assert {8, 32} <= set(seen)
+    # Warm-up / capture runs on dummy requests in block 0 work in both batch shapes.
+    assert runner.dummy_run(8, 8, uniform=True).shape[0] == 8
+    assert runner.dummy_run(20).shape[0] == 20
+    assert llm.llm_engine.stats()["num_free_blocks"] == llm.llm_engine.stats()["num_total_blocks"]
+    # The SDPA backend runs no full graphs: FULL parts fall back to piecewise (when the model
+    # is compiled piecewise) or to none.
+    from vllm.config.compilation import CompilationMode
+
+    cc = runner.vllm_config.compilation_config
+    cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    assert runner._runtime_cudagraph_mode() == CUDAGraphMode.NONE
+    cc.mode = CompilationMode.VLLM_COMPILE
+    cc.splitting_ops = ["vllm::unified_attention_with_output"]
+    assert runner._runtime_cudagraph_mode() == CUDAGraphMode.PIECEWISE
+    cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    assert runner._runtime_cudagraph_mode() == CUDAGraphMode.NONE

@@ -118,6 +118,78 @@ class ModelRunner:
             top_k=torch.full((n,), logits.shape[1], device=self.device),
             top_p=torch.ones(n, device=self.device), max_num_logprobs=1))
 
+    # ---- CUDA graphs --------------------------------------------------------------------
+    def _runtime_cudagraph_mode(self) -> CUDAGraphMode:
+        """The configured CUDA-graph mode, narrowed to what the attention backend can run
+        inside a full graph (each downgrade is logged)."""
+        from vllm.attention.backends.abstract import AttentionCGSupport
+        from vllm.config.compilation import CompilationMode
+
+        cc = self.vllm_config.compilation_config
+        mode = cc.cudagraph_mode or CUDAGraphMode.NONE
+        support = self.attn_backend.cudagraph_support
+        piecewise_ok = cc.mode == CompilationMode.VLLM_COMPILE and bool(cc.splitting_ops)
+        new = mode
+        if mode.has_full_cudagraphs() and support == AttentionCGSupport.NEVER:
+            new = (CUDAGraphMode.PIECEWISE if piecewise_ok and mode in (
+                CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE) else CUDAGraphMode.NONE)
+        elif mode.mixed_mode() == CUDAGraphMode.FULL and support not in (
+                AttentionCGSupport.ALWAYS, AttentionCGSupport.UNIFORM_BATCH):
+            new = (CUDAGraphMode.FULL_AND_PIECEWISE if piecewise_ok
+                   else CUDAGraphMode.FULL_DECODE_ONLY)
+        if new != mode:
+            logger.warning("CUDA graph mode %s -> %s: the %s attention backend supports full "
+                           "graphs for %s", mode, new, self.attn_backend.get_name(),
+                           support.name.lower().replace("_", " "))
+        return new
+
+    def capture_model(self) -> None:
+        """Capture the CUDA graphs the dispatcher keys (piecewise first, largest first), each
+        after one warm-up run; afterwards `execute_model` dispatches to them."""
+        mode = self._runtime_cudagraph_mode()
+        if not mode:
+            return
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+        from vllm.compilation.cudagraph_dispatcher import CudagraphDispatcher
+        from vllm.compilation.monitor import get_startup_timer
+
+        dispatcher = CudagraphDispatcher(self.vllm_config)
+        dispatcher.initialize_cudagraph_keys(mode)
+        if mode.has_full_cudagraphs() and not isinstance(self.model, CUDAGraphWrapper):
+            self.model = CUDAGraphWrapper(self.model, self.vllm_config, CUDAGraphMode.FULL)
+        keys = dispatcher.capture_descriptors()
+        with get_startup_timer().phase("cudagraph capture", graphs=len(keys)):
+            for runtime_mode, descriptor in keys:
+                num_reqs = descriptor.num_reqs if descriptor.uniform else 1
+                self.dummy_run(descriptor.num_tokens, num_reqs, descriptor.uniform)
+                self.dummy_run(descriptor.num_tokens, num_reqs, descriptor.uniform,
+                               runtime_mode, descriptor)
+        self.cudagraph_dispatcher = dispatcher
+        logger.info("Captured %d CUDA graphs (mode %s, sizes up to %d tokens)", len(keys), mode,
+                    dispatcher.max_capture_size)
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, num_reqs: int = 1, uniform: bool = False,
+                  runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+                  batch_descriptor: object = None) -> torch.Tensor:
+        """A forward over dummy requests whose KV lives in the reserved block 0 (warm-up and
+        capture): `num_reqs` requests of equal length when `uniform`, else one request."""
+        from vllm.forward_context import set_forward_context
+
+        bs = self.block_size
+        query_lens = [num_tokens // num_reqs] * num_reqs if uniform else [num_tokens]
+        block_tables = [[0] * -(-q // bs) for q in query_lens]
+        slot_mapping = [i % bs for q in query_lens for i in range(q)]
+        metadata = self.attn_metadata_builder.build(
+            query_lens, list(query_lens), block_tables, slot_mapping,
+            num_padded_tokens=num_tokens if sum(query_lens) != num_tokens else None,
+            device=self.device)
+        input_ids, positions = self.input_buffers.commit_tokens(0, num_tokens)
+        with set_forward_context(metadata, self.vllm_config, attn_layers=self.attention_layers,
+                                 cudagraph_runtime_mode=runtime_mode,
+                                 batch_descriptor=batch_descriptor):
+            return self.model(input_ids, positions)
+
     # ---- one step -----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
