@@ -47,10 +47,10 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _files_hash(paths: list[str]) -> str:
+def _files_hash(paths: list[str | os.PathLike]) -> str:
+    """Contents only (the same source installed elsewhere gives the same key)."""
     h = hashlib.sha256()
-    for path in sorted(set(paths)):
-        h.update(path.encode())
+    for path in sorted(set(map(os.fspath, paths))):
         try:
             with open(path, "rb") as f:
                 h.update(f.read())

@@ -1,0 +1,224 @@
+"""On-disk compile cache: key factors, checksummed entries, locking, warm starts in new
+processes (Inductor; marked slow)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vllm.compilation.cache import (
+    CompileCache,
+    cache_disabled_reason,
+    compute_cache_factors,
+    compute_cache_key,
+)
+from vllm.compilation.counter import compilation_counter
+from vllm.config import CacheConfig, CompilationConfig, PassConfig, VllmConfig
+
+
+def config(**kwargs) -> VllmConfig:
+    cache = kwargs.pop("cache_config", CacheConfig())
+    kwargs.setdefault("backend", "inductor")
+    return VllmConfig(optimization_level=1, cache_config=cache,
+                      compilation_config=CompilationConfig(**kwargs))
+
+
+def key_of(cfg: VllmConfig, sources=(), passes="p") -> str:
+    return compute_cache_key(compute_cache_factors(cfg, list(sources), passes))
+
+
+def test_key_covers_what_changes_the_graph_and_nothing_memory_sized(tmp_path):
+    source = tmp_path / "model.py"
+    source.write_text("x = 1\n")
+    base = key_of(config(), [source])
+    assert key_of(config(), [source]) == base  # deterministic
+    # Memory sizing and debug paths do not change the graph: same key.
+    assert key_of(config(cache_config=CacheConfig(kv_cache_memory="1GiB")), [source]) == base
+    assert key_of(config(cache_config=CacheConfig(gpu_memory_utilization=0.5)), [source]) == base
+    assert key_of(config(cache_dir=str(tmp_path)), [source]) == base
+    # A pass flag, an Inductor option, the pass manager, the model source: different key.
+    assert key_of(config(pass_config=PassConfig(eliminate_noops=False)), [source]) != base
+    assert key_of(config(max_autotune=True), [source]) != base
+    assert key_of(config(), [source], passes="q") != base
+    source.write_text("x = 2\n")
+    assert key_of(config(), [source]) != base
+
+
+def test_directory_layout_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
+    cache = CompileCache.for_model(config(), [], "p", rank=1)
+    key = compute_cache_key(cache.factors)
+    assert cache.directory == str(tmp_path / "root" / "torch_compile_cache" / key[:10] / "rank_1")
+    cache = CompileCache.for_model(config(cache_dir=str(tmp_path / "mine")), [], "p")
+    assert cache.directory.startswith(str(tmp_path / "mine") + os.sep)
+    assert cache.directory.endswith("rank_0")
+
+
+def test_disabled_by_env_eager_and_dump(monkeypatch, tmp_path):
+    assert cache_disabled_reason(config()) is None
+    assert "eager" in cache_disabled_reason(config(backend="eager"))
+    assert "debug_dump_path" in cache_disabled_reason(config(debug_dump_path=str(tmp_path)))
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+    assert cache_disabled_reason(config()) == "VLLM_DISABLE_COMPILE_CACHE=1"
+
+
+def _write(data: bytes):
+    def write(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+    return write
+
+
+def test_entries_are_checksummed_and_corruption_is_detected(tmp_path, caplog):
+    cache = CompileCache(str(tmp_path), {"k": "v"})
+    path = cache.store("piece_0.bin", "graph-a", _write(b"x" * 100))
+    assert cache.lookup("piece_0.bin", "graph-a") == path
+    assert cache.lookup("piece_0.bin", "graph-b") is None  # another graph: a plain miss
+    assert cache.lookup("missing.bin", "graph-a") is None
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["factors"] == {"k": "v"}
+    assert manifest["entries"]["piece_0.bin"]["size"] == 100
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]  # no temp files left
+
+    with open(path, "r+b") as f:  # same size, one byte flipped
+        f.seek(10)
+        f.write(b"y")
+    with compilation_counter.expect(num_cache_corrupt=1):
+        assert cache.lookup("piece_0.bin", "graph-a") is None
+    assert "corrupt entry piece_0.bin" in caplog.text and "checksum mismatch" in caplog.text
+    assert not os.path.exists(path)  # dropped, will be recompiled
+
+    path = cache.store("piece_1.bin", "g", _write(b"z" * 64))
+    with open(path, "r+b") as f:
+        f.truncate(10)
+    with compilation_counter.expect(num_cache_corrupt=1):
+        assert cache.lookup("piece_1.bin", "g") is None
+    assert "truncated" in caplog.text
+
+
+def test_unreadable_manifest_is_started_over(tmp_path, caplog):
+    (tmp_path / "manifest.json").write_text("{not json")
+    cache = CompileCache(str(tmp_path))
+    assert cache.lookup("a.bin", "g") is None
+    cache.store("a.bin", "g", _write(b"abc"))
+    assert cache.lookup("a.bin", "g") is not None
+    assert "unreadable" in caplog.text
+
+
+LOCK_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from vllm.compilation.cache import CompileCache
+    cache = CompileCache(sys.argv[1])
+    for _ in range(20):
+        with cache.lock():
+            path = cache.path("count.txt")
+            try:
+                value = int(open(path).read())
+            except FileNotFoundError:
+                value = 0
+            time.sleep(0.002)
+            open(path, "w").write(str(value + 1))
+    with cache.lock(), cache.lock():  # re-entrant in one process
+        cache.store("entry-" + sys.argv[2], "g", lambda p: open(p, "w").write(sys.argv[2]))
+""")
+
+
+def test_lock_serializes_processes(tmp_path):
+    script = tmp_path / "lock.py"
+    script.write_text(LOCK_SCRIPT)
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "c"), str(i)])
+             for i in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert (tmp_path / "c" / "count.txt").read_text() == "40"  # no lost update
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert sorted(manifest["entries"]) == ["entry-0", "entry-1"]  # no lost manifest update
+
+
+MODEL_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch import nn
+    from vllm.compilation.counter import compilation_counter
+    from vllm.compilation.decorators import support_torch_compile
+    from vllm.config import CacheConfig, CompilationConfig, VllmConfig, set_current_vllm_config
+
+    @torch.library.custom_op("silly_cache::attention", mutates_args=["out"])
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(q + k + v)
+
+    @support_torch_compile
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, x, positions):
+            x = self.a(x).relu()
+            out = torch.empty_like(x)
+            torch.ops.silly_cache.attention(x, x, x, out)
+            return self.b(out) + positions[:, None]
+
+    cache_dir, kv_memory = sys.argv[1], sys.argv[2]
+    config = VllmConfig(
+        optimization_level=1, cache_config=CacheConfig(kv_cache_memory=kv_memory),
+        compilation_config=CompilationConfig(backend="inductor", cache_dir=cache_dir,
+                                             splitting_ops=["silly_cache::attention"]))
+    torch.manual_seed(0)
+    with set_current_vllm_config(config):
+        model = Tiny()
+    with torch.no_grad():
+        outs = [model(torch.ones(n, 4), torch.arange(n, dtype=torch.float32)).sum().item()
+                for n in (3, 1, 6)]
+    c = compilation_counter
+    print(json.dumps({"inductor": c.num_inductor_compiles, "hits": c.num_cache_hits,
+                      "misses": c.num_cache_misses, "corrupt": c.num_cache_corrupt,
+                      "outs": outs}))
+""")
+
+
+def _start(tmp_path, name: str, kv_memory: str = "1GiB") -> subprocess.Popen:
+    script = tmp_path / "tiny_model.py"
+    if not script.exists():
+        script.write_text(MODEL_SCRIPT)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor_{name}"),
+               VLLM_DISABLE_COMPILE_CACHE="0", VLLM_TEST_FAIL_ON_RECOMPILE="1")
+    return subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache"), kv_memory],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[dict, str]:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+@pytest.mark.slow
+def test_warm_start_in_new_processes(tmp_path):
+    # Two processes start at once on an empty cache: both succeed, each piece is compiled
+    # exactly once between them (the other waits on the lock, then loads it).
+    first, second = _start(tmp_path, "a"), _start(tmp_path, "b")
+    (a, err_a), (b, err_b) = _finish(first), _finish(second)
+    assert a["inductor"] + b["inductor"] == 2
+    assert a["outs"] == b["outs"]
+    assert "compile cache: miss" in err_a + err_b
+
+    # A new process with the same config (other KV cache memory) loads everything.
+    c, err_c = _finish(_start(tmp_path, "c", kv_memory="2GiB"))
+    assert (c["inductor"], c["hits"], c["misses"]) == (0, 2, 0)
+    assert c["outs"] == a["outs"]
+    assert "compile cache: hit" in err_c
+
+    # A damaged artifact is detected, logged and recompiled (the other one still loads).
+    [directory] = [d for d, _, files in os.walk(tmp_path / "cache") if "manifest.json" in files]
+    artifact = sorted(n for n in os.listdir(directory) if n.endswith(".bin"))[0]
+    with open(os.path.join(directory, artifact), "r+b") as f:
+        f.truncate(100)
+    d, err_d = _finish(_start(tmp_path, "d"))
+    assert (d["inductor"], d["hits"], d["corrupt"]) == (1, 1, 1)
+    assert f"corrupt entry {artifact}" in err_d
+    assert d["outs"] == a["outs"]
