@@ -155,13 +155,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.openai.api_server import _uvicorn_server_class, format_phase_table
+    from vllm.entrypoints.openai.api_server import (
+        _uvicorn_server_class,
+        bind_socket,
+        format_phase_table,
+    )
 
     parser = make_parser()
     args = parser.parse_args(None if argv is None else list(argv))
     try:
+        sock = bind_socket(args.host, args.port)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     except ValueError as exc:
+        sock.close()
         parser.error(str(exc))
     try:
         phases = engine.startup_phases
@@ -172,10 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 log_level=args.uvicorn_log_level, timeout_keep_alive=5,
                                 timeout_graceful_shutdown=5)
         server = _uvicorn_server_class()(config, app.state.server, args.shutdown_timeout)
-        asyncio.run(server.serve())
+        asyncio.run(server.serve(sockets=[sock]))
         if not server.started:
             return 1
     finally:
+        sock.close()
         engine.shutdown()
     return 0
 

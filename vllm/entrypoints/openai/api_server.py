@@ -19,6 +19,7 @@ import copy
 import hmac
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -284,6 +285,22 @@ def format_phase_table(phases: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Reserve host:port before the (slow) engine start, so a taken port fails at once.
+    It listens only once uvicorn serves, so /health is refused until the model is ready.
+    Raises ValueError naming the address."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise ValueError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine from the parsed flags (EngineArgs' plus those of
     `vllm.entrypoints.cli.serve.add_server_args`), serve until SIGTERM/SIGINT, return 0.
@@ -298,8 +315,14 @@ def run_server(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     logger.info("vLLM-compatible API server %s; model %s", __version__, args.model)
+    sock = bind_socket(args.host, args.port)
     metrics = ServerMetrics(served)
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), stat_observer=metrics)
+    try:
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args),
+                                           stat_observer=metrics)
+    except BaseException:
+        sock.close()
+        raise
     try:
         phases = engine.startup_phases
         if phases:
@@ -312,10 +335,11 @@ def run_server(args: argparse.Namespace) -> int:
         server = _uvicorn_server_class()(config, app.state.server, args.shutdown_timeout)
         logger.info("Serving %r on http://%s:%d (API key %s)", served, args.host, args.port,
                     "required" if api_key else "not required")
-        asyncio.run(server.serve())
+        asyncio.run(server.serve(sockets=[sock]))
         if not server.started:
-            return 1  # e.g. the port was taken (uvicorn logged why)
+            return 1
     finally:
+        sock.close()
         engine.shutdown()
     logger.info("server stopped")
     return 0
