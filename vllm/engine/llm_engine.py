@@ -167,6 +167,9 @@ class LLMEngine:
                     # others may then use the prefix cache.
                     child.prompt_logprobs = None
                 internal.append((f"{i}_{request_id}", child))
+        taken = [i for i, _ in internal if i in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
         self.output_processor.add_request(request_id, text, token_ids, params,
                                           [i for i, _ in internal], [p for _, p in internal])
         for internal_id, child in internal:
