@@ -7,7 +7,6 @@ host buffer is the device buffer.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
