@@ -170,6 +170,9 @@ def test_chat_logprobs(client):
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream"),
     ({"prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "a", "seed": 2**64}, 400, "seed"),
+    ({"prompt": "a", "n": 1000}, 400, "n"),
+    ({"prompt": "a", "suffix": "z"}, 400, "suffix"),
 ])
 def test_completion_errors(url, body, status, param):
     resp = post(url, "/v1/completions", body)

@@ -108,6 +108,10 @@ class OpenAIServing:
         n = kwargs.get("n", 1)
         if not 1 <= n <= MAX_N:
             raise OpenAIError(f"n must be between 1 and {MAX_N}, got {n}", 400, "n")
+        seed = kwargs.get("seed")
+        if seed is not None and not -(2**63) <= seed < 2**63:
+            raise OpenAIError(f"seed must fit in a signed 64-bit integer, got {seed}", 400,
+                              "seed")
         try:
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
         except ValueError as exc:
