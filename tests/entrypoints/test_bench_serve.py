@@ -27,10 +27,12 @@ def test_bench_serve_cli(url, tmp_path, capsys, backend):
     code = vllm_main(["bench", "serve", "--base-url", url, "--backend", backend,
                       "--num-prompts", "12", "--random-input-len", "16",
                       "--random-output-len", "10", "--random-range-ratio", "0.5",
-                      "--max-concurrency", "4", "--ignore-eos", "--output-json", str(out)])
+                      "--max-concurrency", "4", "--ignore-eos", "--output-json", str(out),
+                      "--metric-percentiles", "50,90,99"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Output token throughput" in printed
+    assert "P99 ttft (ms)" in printed and "Median itl (ms)" in printed
     result = json.loads(out.read_text())
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["model"] == "fake"

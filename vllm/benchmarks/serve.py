@@ -60,8 +60,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                         help="Comma-separated metrics to report percentiles for.")
-    parser.add_argument("--metric-percentiles", default="50,90,99",
-                        help="Comma-separated percentiles, e.g. 50,90,99.")
+    parser.add_argument("--metric-percentiles", default="99",
+                        help="Comma-separated percentiles besides mean and median, e.g. 90,99.")
     parser.add_argument("--api-key", default=None,
                         help="Bearer token (default: OPENAI_API_KEY or VLLM_API_KEY).")
     parser.add_argument("--output-json", default=None, help="Write the results here as JSON.")
@@ -304,8 +304,11 @@ def format_summary(s: dict[str, Any], metrics: list[str]) -> str:
             ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
     for name in metrics:
-        for key in sorted(k for k in s if k.endswith(f"_{name}_ms")):
-            rows.append((f"{key.replace('_ms', '')} (ms)", f"{s[key]:.2f}"))
+        keys = [f"mean_{name}_ms", f"median_{name}_ms"] + sorted(
+            (k for k in s if k.startswith("p") and k.endswith(f"_{name}_ms")),
+            key=lambda k: float(k[1:].split("_")[0]))
+        for key in keys:
+            rows.append((f"{key[:-3].replace('_', ' ').capitalize()} (ms)", f"{s[key]:.2f}"))
     width = max(len(r[0]) for r in rows) + 2
     lines = ["=" * 20 + " Serving Benchmark Result " + "=" * 20]
     lines += [f"{k + ':':<{width}}{v}" for k, v in rows]
