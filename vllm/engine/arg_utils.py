@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from vllm.config import (
     CacheConfig,
     CompilationConfig,
+    LoadConfig,
     ModelConfig,
     OptimizationLevel,
     ParallelConfig,
@@ -58,6 +59,7 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     trust_remote_code: bool = False
+    load_format: str = "auto"
     enforce_eager: bool = False
     optimization_level: OptimizationLevel | int | str | None = None
     compilation_config: dict | CompilationConfig | str | None = None
@@ -98,6 +100,10 @@ class EngineArgs:
                            help="Model name in the API (default: --model).")
         model.add_argument("--trust-remote-code", action="store_true",
                            help="Allow the model folder's own Python code.")
+        model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"],
+                           default=d.load_format,
+                           help="auto/safetensors: the folder's weights; dummy: random weights "
+                           "of the right shapes (benchmarks). Default: %(default)s.")
 
         opt = parser.add_argument_group("optimization")
         opt.add_argument("--optimization-level", type=_optimization_level,
@@ -214,6 +220,7 @@ class EngineArgs:
             model_config=model_config, cache_config=cache_config,
             parallel_config=parallel_config, scheduler_config=scheduler_config,
             compilation_config=self.create_compilation_config(),
+            load_config=LoadConfig(load_format=self.load_format),
             optimization_level=self.optimization_level)
 
     def _kv_cache_memory(self) -> int | str | None:

@@ -17,7 +17,7 @@ class LLM:
     """An engine for offline inference.
 
     `LLM(model="./m", optimization_level=1, max_model_len=512, ...)` takes every EngineArgs
-    field as a keyword (plus `load_format="auto"|"dummy"`); `generate` and `chat` run batches
+    field as a keyword (e.g. `load_format="dummy"`); `generate` and `chat` run batches
     to completion and return RequestOutputs in input order.
     """
 
@@ -25,17 +25,14 @@ class LLM:
         from vllm.engine.arg_utils import EngineArgs
 
         valid = {f.name for f in dataclasses.fields(EngineArgs)}
-        engine_kwargs = {}
-        if "load_format" not in valid:  # until EngineArgs carries it
-            engine_kwargs["load_format"] = kwargs.pop("load_format", "auto")
         unknown = sorted(set(kwargs) - valid)
         if unknown:
             raise ValueError(f"LLM() got unknown engine arguments {unknown}; valid ones: "
-                             + ", ".join(sorted(valid | {"load_format"})))
+                             + ", ".join(sorted(valid)))
         # Offline use logs no periodic stats unless asked (as upstream).
         kwargs.setdefault("disable_log_stats", True)
         engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(engine_args, **engine_kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
