@@ -32,7 +32,7 @@ def test_bench_serve_cli(url, tmp_path, capsys, backend):
     assert code == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Output token throughput" in printed
-    assert "P99 ttft (ms)" in printed and "Median itl (ms)" in printed
+    assert "P99 TTFT (ms)" in printed and "Median ITL (ms)" in printed
     result = json.loads(out.read_text())
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["model"] == "fake"

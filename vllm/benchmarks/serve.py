@@ -308,7 +308,8 @@ def format_summary(s: dict[str, Any], metrics: list[str]) -> str:
             (k for k in s if k.startswith("p") and k.endswith(f"_{name}_ms")),
             key=lambda k: float(k[1:].split("_")[0]))
         for key in keys:
-            rows.append((f"{key[:-3].replace('_', ' ').capitalize()} (ms)", f"{s[key]:.2f}"))
+            stat = key.split("_", 1)[0]
+            rows.append((f"{stat.capitalize()} {name.upper()} (ms)", f"{s[key]:.2f}"))
     width = max(len(r[0]) for r in rows) + 2
     lines = ["=" * 20 + " Serving Benchmark Result " + "=" * 20]
     lines += [f"{k + ':':<{width}}{v}" for k, v in rows]
