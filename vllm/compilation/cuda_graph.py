@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from vllm.compilation.counter import compilation_counter
+from vllm.compilation.monitor import get_startup_timer
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 
@@ -154,10 +156,13 @@ class CUDAGraphWrapper:
         entry = self.entries.get(key)
         addresses = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
         if entry is None:
+            start = time.perf_counter()
             graph = self.graph_factory()
             output = graph.capture(lambda: self.runnable(*args, **kwargs))
             self.entries[key] = _Entry(graph, output, addresses)
             compilation_counter.num_cudagraph_captured += 1
+            get_startup_timer().record("cudagraph capture", time.perf_counter() - start,
+                                       mode=self.runtime_mode.name)
             logger.debug("Captured a %s CUDA graph for %s", self.runtime_mode, key)
             return output
         if self.check_input_addresses and addresses != entry.input_addresses:

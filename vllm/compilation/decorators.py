@@ -13,6 +13,10 @@ Dynamo, dim 0 of every tensor argument marked dynamic (override with
   DYNAMO_TRACE_ONCE   the same, and any second trace is an error
 Later traces (a guard failed) are recompiles: counted, logged as a warning, and an error
 with VLLM_TEST_FAIL_ON_RECOMPILE=1 (tests) or in DYNAMO_TRACE_ONCE.
+
+Contract for the model: load the weights before the first forward (with Inductor freezing the
+weights are folded into the compiled code then), keep forward free of host syncs, and run it
+under `torch.inference_mode()` / `no_grad()`.
 """
 from __future__ import annotations
 
@@ -123,7 +127,6 @@ class _CompileState:
 
     # ---- the backend Dynamo sees --------------------------------------------------------
     def _make_backend(self) -> Callable:
-        cc = self.vllm_config.compilation_config
         if self.mode == CompilationMode.VLLM_COMPILE:
             from vllm.compilation.backends import VllmBackend
 
@@ -143,7 +146,6 @@ class _CompileState:
             self.num_traces += 1
             return result
 
-        del cc
         return backend
 
     def _on_recompile(self, gm: torch.fx.GraphModule) -> None:
