@@ -347,3 +347,28 @@ def test_engine_death_is_reported():
             assert resp.status_code == 500 and resp.json()["error"]["code"] == 500
     finally:
         engine.shutdown()
+
+
+def test_closing_a_stream_before_it_starts_aborts_its_requests():
+    import asyncio
+
+    from vllm.entrypoints.openai.protocol import CompletionRequest
+    from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+    fake = FakeEngine(step_delay=0.005)
+    engine = AsyncLLM(fake)
+
+    async def main():
+        serving = OpenAIServingCompletion(engine, [MODEL], fake.max_model_len, fake.tokenizer)
+        request = CompletionRequest(prompt=["abc", "xyz"], max_tokens=100, stream=True,
+                                    ignore_eos=True)
+        stream = await serving.create_completion(request)
+        await stream.aclose()  # the client went away before the first chunk
+        return await engine.wait_for_idle(5)
+
+    try:
+        assert asyncio.run(main())
+        assert _wait_idle(fake, engine)
+        assert len(fake.aborted) == 2
+    finally:
+        engine.shutdown()

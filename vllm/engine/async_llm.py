@@ -278,8 +278,13 @@ class AsyncLLM:
     def _abort_nowait(self, request_ids: list[str], notify: bool) -> None:
         if not notify:  # nobody reads these streams any more: forget them now
             with self._lock:
-                gone = [self._streams.pop(rid, None) for rid in request_ids]
-            self._count_aborted([s for s in gone if s is not None])
+                gone = [s for s in (self._streams.pop(rid, None) for rid in request_ids)
+                        if s is not None]
+            # Ids no longer in flight are finished or already being aborted.
+            request_ids = [s.request_id for s in gone]
+            if not request_ids:
+                return
+            self._count_aborted(gone)
         self._commands.put(_Abort(list(request_ids), notify))
 
     def _count_aborted(self, streams: list[RequestStream]) -> None:

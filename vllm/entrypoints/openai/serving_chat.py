@@ -15,6 +15,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_completion import (
     MAX_LOGPROBS,
+    ClosingStream,
     OpenAIServing,
     random_id,
     sse,
@@ -79,7 +80,9 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         streams = await self.start(base_id, [prompt], params)
         if request.stream:
-            return self._stream(request, streams, len(prompt), base_id, created, model)
+            return ClosingStream(
+                self._stream(request, streams, len(prompt), base_id, created, model),
+                streams, self)
         finals = await self.collect(streams, raw_request)
         return self._response(request, finals[0], len(prompt), base_id, created, model)
 

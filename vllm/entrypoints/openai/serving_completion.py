@@ -32,6 +32,30 @@ class ClientDisconnected(Exception):
     """The client went away before its (non-streaming) answer was ready."""
 
 
+class ClosingStream:
+    """The SSE strings of a streaming response. `aclose()` closes the generator and aborts
+    the engine requests that are still running, even if iteration never started (a client
+    gone before its first byte)."""
+
+    def __init__(self, gen: AsyncIterator[str], streams: list[RequestStream],
+                 serving: OpenAIServing) -> None:
+        self._gen = gen
+        self._streams = streams
+        self._serving = serving
+
+    def __aiter__(self) -> ClosingStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._gen.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._serving.abort_unfinished(self._streams)
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -326,7 +350,9 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         streams = await self.start(base_id, prompts, params)
         if request.stream:
-            return self._stream(request, streams, prompts, texts, base_id, created, model)
+            return ClosingStream(
+                self._stream(request, streams, prompts, texts, base_id, created, model),
+                streams, self)
         finals = await self.collect(streams, raw_request)
         return self._response(request, finals, prompts, texts, base_id, created, model)
 
