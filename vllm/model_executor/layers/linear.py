@@ -99,6 +99,10 @@ class LinearBase(nn.Module):
         self.prefix = prefix
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        if quant_config is None:  # the model's checkpoint decides (None when unquantized)
+            from vllm.model_executor.layers.quantization import current_quant_config
+
+            quant_config = current_quant_config()
         method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
         self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
 
