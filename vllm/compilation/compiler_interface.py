@@ -119,7 +119,7 @@ class InductorCompiler:
                           dump_dir=dump_dir), inductor_cache_dir(cache_dir), \
                 _quiet_unless(self.savable, "torch._inductor.standalone_compile"):
             artifact = standalone_compile(
-                gm, example_inputs, dynamic_shapes="from_example_inputs",
+                gm, example_inputs, dynamic_shapes=_dynamic_shapes_source(example_inputs),
                 options={"config_patches": patches})
         compilation_counter.num_inductor_compiles += 1
         logger.debug("Inductor compiled piece %d for %s (%s) in %.2f s", piece_index,
@@ -170,6 +170,19 @@ def inductor_cache_dir(directory: str | None):
     os.makedirs(directory, exist_ok=True)
     with temporary_cache_dir(directory):
         yield
+
+
+def _dynamic_shapes_source(example_inputs: list[Any]) -> str:
+    """Symbolic example inputs come from Dynamo's fake mode: compile with the shape env of the
+    ambient tracing context (where their symbols and value ranges live). Real inputs (a static
+    compile size, at run time) specialize."""
+    from torch._guards import TracingContext
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake = any(isinstance(a, (FakeTensor, torch.SymInt)) for a in example_inputs)
+    if fake and TracingContext.try_get() is not None:
+        return "from_tracing_context"
+    return "from_example_inputs"
 
 
 def make_compiler(vllm_config: VllmConfig, pass_manager: PostGradPassManager

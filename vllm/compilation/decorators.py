@@ -160,6 +160,16 @@ class _CompileState:
             raise RecompileError(message + " (VLLM_TEST_FAIL_ON_RECOMPILE=1)")
         logger.warning(message)
 
+    def _guard_filter(self, guards: list[Any]) -> list[bool]:
+        """Which of Dynamo's guards to keep. The symbolic shape guards go: the trace may have
+        assumed facts about the token count (e.g. `2 <= num_tokens` from a view's stride
+        rule), and the compiled code serves every token count. Dtype, device, rank, static
+        dims and module state stay guarded (a change there is a recompile). In
+        DYNAMO_TRACE_ONCE no guard is kept: the compiled code is always called."""
+        if self.mode == CompilationMode.DYNAMO_TRACE_ONCE:
+            return [False] * len(guards)
+        return [getattr(g, "guard_type", "") != "SHAPE_ENV" for g in guards]
+
     # ---- calls ------------------------------------------------------------------------
     def _mark_dynamic(self, bound: inspect.BoundArguments) -> None:
         for name, value in bound.arguments.items():
@@ -185,8 +195,9 @@ class _CompileState:
         self._mark_dynamic(bound)
         if self.compiled is None:
             method = types.MethodType(self.original_forward, self.model_ref)
-            self.compiled = torch.compile(method, backend=self._make_backend(), fullgraph=True,
-                                          dynamic=False)
+            self.compiled = torch.compile(
+                method, backend=self._make_backend(), fullgraph=True, dynamic=False,
+                options={"guard_filter_fn": self._guard_filter})
         timer = get_startup_timer()
         start = time.perf_counter()
         backend_before = timer.seconds("inductor compilation")
