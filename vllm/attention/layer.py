@@ -71,7 +71,11 @@ class Attention(nn.Module):
 
 @torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=("output",))
 def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                  output: torch.Tensor, layer_name: str) -> None:
+                                  output: torch.Tensor, layer_name: str,
+                                  output_scale: torch.Tensor | None = None) -> None:
+    """`output_scale` (set by the attention+quant fusion pass): `output` is float8_e4m3fn and
+    receives the attention result quantized with this static scale (the backend must report
+    `fused_output_quant_supported`)."""
     context = get_forward_context()
     layer = context.attn_layers.get(layer_name)
     if layer is None:
@@ -84,13 +88,18 @@ def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor, value:
     if metadata is None:  # a dummy / profiling run: no KV cache traffic
         output.zero_()
         return
-    layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output)
+    if output_scale is None:
+        layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output)
+    else:
+        layer.impl.forward(layer, query, key, value, layer.kv_cache, metadata, output,
+                           output_scale=output_scale)
 
 
 @unified_attention_with_output.register_fake
 def _unified_attention_with_output_fake(query: torch.Tensor, key: torch.Tensor,
                                         value: torch.Tensor, output: torch.Tensor,
-                                        layer_name: str) -> None:
+                                        layer_name: str,
+                                        output_scale: torch.Tensor | None = None) -> None:
     return None
 
 

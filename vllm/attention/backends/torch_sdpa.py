@@ -138,10 +138,17 @@ def _make_plan(md: TorchSDPAMetadata, block_size: int, device: torch.device) -> 
 
 class TorchSDPAImpl(AttentionImpl):
 
+    def fused_output_quant_supported(self, quant_dtype: torch.dtype, static: bool,
+                                     per_tensor: bool) -> bool:
+        # Each result is copied into `output` anyway: quantizing replaces that copy.
+        return quant_dtype == torch.float8_e4m3fn and static and per_tensor
+
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata,
-                output: torch.Tensor) -> torch.Tensor:
+                output: torch.Tensor, output_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """`output_scale`: `output` is float8_e4m3fn, written quantized with this scale."""
         md = attn_metadata
+        self._output_scale = output_scale
         num_tokens = query.shape[0]
         heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
         q = query.view(num_tokens, heads, head_size)
@@ -186,7 +193,7 @@ class TorchSDPAImpl(AttentionImpl):
         queries = q[plan.token_index].unsqueeze(2)  # [B, heads, 1, hd]
         result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask,
                                                 scale=self.scale, enable_gqa=gqa)
-        out[plan.token_index] = result.squeeze(2)
+        out[plan.token_index] = self._to_output(result.squeeze(2))
 
     def _prefill(self, q, k, v, out, kv_cache, md, req, start, query_len, seq_len,
                  gqa) -> None:
@@ -209,7 +216,15 @@ class TorchSDPAImpl(AttentionImpl):
             queries, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
             values.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal,
             scale=self.scale, enable_gqa=gqa)
-        out[start:end] = result.squeeze(0).transpose(0, 1)
+        out[start:end] = self._to_output(result.squeeze(0).transpose(0, 1))
+
+    def _to_output(self, result: torch.Tensor) -> torch.Tensor:
+        scale = getattr(self, "_output_scale", None)
+        if scale is None:
+            return result
+        import vllm.model_executor.kernels.fp8_ops  # noqa: F401  (defines the op)
+
+        return torch.ops.vllm.static_scaled_fp8_quant(result.contiguous(), scale)
 
 
 def _gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
