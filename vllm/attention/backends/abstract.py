@@ -37,7 +37,8 @@ class AttentionImpl(ABC):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
 
-    def fused_output_quant_supported(self, quant_dtype: torch.dtype, static: bool,
+    @classmethod
+    def fused_output_quant_supported(cls, quant_dtype: torch.dtype, static: bool,
                                      per_tensor: bool) -> bool:
         """Whether `forward(..., output_scale=s)` can write `output` quantized to
         `quant_dtype` (the attention+quant fusion asks before rewriting a layer)."""

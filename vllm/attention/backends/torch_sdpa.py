@@ -138,7 +138,8 @@ def _make_plan(md: TorchSDPAMetadata, block_size: int, device: torch.device) -> 
 
 class TorchSDPAImpl(AttentionImpl):
 
-    def fused_output_quant_supported(self, quant_dtype: torch.dtype, static: bool,
+    @classmethod
+    def fused_output_quant_supported(cls, quant_dtype: torch.dtype, static: bool,
                                      per_tensor: bool) -> bool:
         # Each result is copied into `output` anyway: quantizing replaces that copy.
         return quant_dtype == torch.float8_e4m3fn and static and per_tensor
