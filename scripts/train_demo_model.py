@@ -329,7 +329,7 @@ def train(args, model, train_stream: torch.Tensor, heldout_stream: torch.Tensor,
           resume_state: dict | None):
     ctx, bsz = args.context, args.batch_size
     decay, no_decay = [], []
-    for n, p in model.named_parameters():
+    for p in model.parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
     optim = torch.optim.AdamW(
         [
@@ -394,18 +394,20 @@ def train(args, model, train_stream: torch.Tensor, heldout_stream: torch.Tensor,
         if step % args.log_every == 0:
             dt = time.time() - window_t0
             log(f"step {step} epoch {epoch} loss {loss_acc / loss_n:.4f} lr {lr:.2e} "
-                f"{window_tokens / dt:.0f} tok/s trained {train_seconds / 60:.1f}/{args.minutes} min")
+                f"{window_tokens / dt:.0f} tok/s "
+                f"trained {train_seconds / 60:.1f}/{args.minutes} min")
             window_t0, window_tokens, loss_acc, loss_n = time.time(), 0, 0.0, 0
         if time.time() - last_ckpt > args.ckpt_minutes * 60 or train_seconds >= budget:
             s, c, _ = nll_of_windows(model, heldout_stream, ctx, max_windows=32)
             model.train()
-            log(f"step {step}: held-out (first 32 windows) loss {s / c:.4f} ppl {math.exp(s / c):.2f}")
+            log(f"step {step}: held-out (first 32 windows) loss {s / c:.4f} "
+                f"ppl {math.exp(s / c):.2f}")
             state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                      "train_seconds": train_seconds, "args": vars(args)}
             save_checkpoint(ckpt_dir, model, optim, state)
             log(f"checkpoint saved to {ckpt_dir}")
             last_ckpt = time.time()
-            window_t0 = time.time()
+            window_t0, window_tokens, loss_acc, loss_n = time.time(), 0, 0.0, 0
     return {"steps": step, "epochs_completed": epoch, "train_seconds": train_seconds,
             "tokens_seen": tokens_seen, "bf16_autocast": use_bf16}
 
@@ -629,6 +631,9 @@ def render_readme(args, ev: dict, config, command: str, total_seconds: float) ->
         f"Prompt `{s['prompt']!r}`:\n\n```python\n{s['prompt']}{s['completion']}\n```"
         for s in ev["samples"]
     )
+    heads = (f"{config.num_attention_heads} / {config.num_key_value_heads} (GQA, head dim "
+             f"{config.hidden_size // config.num_attention_heads})")
+    positions = f"{config.max_position_embeddings} (trained on {args.context}-token windows)"
     return f"""# Demo model: tiny Llama trained on the Python standard library
 
 This folder is a normal Hugging Face model folder (`LlamaForCausalLM`,
@@ -647,8 +652,8 @@ The chat template exists only so that chat code paths can be exercised.
 | parameters | {ev['num_parameters']:,} (tied input/output embeddings) |
 | hidden size / intermediate | {config.hidden_size} / {config.intermediate_size} |
 | layers | {config.num_hidden_layers} |
-| attention heads / KV heads | {config.num_attention_heads} / {config.num_key_value_heads} (GQA, head dim {config.hidden_size // config.num_attention_heads}) |
-| max position embeddings | {config.max_position_embeddings} (trained on {args.context}-token windows) |
+| attention heads / KV heads | {heads} |
+| max position embeddings | {positions} |
 | RoPE theta | 10000 |
 | vocab | {ev['vocab_size']} (byte-level BPE; `<s>`=0 bos, `</s>`=1 eos, `<unk>`=2) |
 | dtype | float32 |
@@ -719,6 +724,10 @@ ppl = math.exp(nll / n)
 ```
 
 ## Greedy samples (48 new tokens)
+
+Greedy decoding of a model this small soon repeats itself.  The tokenizer
+merges a leading space into the following word (`" os"`), so a prompt that
+ends in a space (`"import "`) is slightly out of distribution.
 
 {samples}
 """
