@@ -195,6 +195,7 @@ class VllmBackend:
         logger.info("Compiled %d pieces (%d split at %s) with backend %s in %.2f s",
                     len(items), sum(i.is_splitting for i in items), self.splitting_ops or "nothing",
                     self.compiler.name, elapsed)
+        self.pass_manager.log_match_counts()
         return split_gm.forward
 
     def _open_cache(self, gm: fx.GraphModule) -> None:

@@ -32,10 +32,15 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Order matters: no-op elimination first (it exposes patterns), fusions after.
+# Order matters (upstream's): no-op elimination first (it exposes patterns), then the
+# all-reduce fusion's place, RMSNorm+quant, SiluMul+quant, attention+quant.
 PASS_REGISTRY: list[tuple[str, str]] = [
     ("eliminate_noops", "vllm.compilation.passes.noop_elimination:NoOpEliminationPass"),
+    ("fuse_norm_quant", "vllm.compilation.passes.rms_quant_fusion:RMSNormQuantFusionPass"),
+    ("fuse_act_quant", "vllm.compilation.passes.act_quant_fusion:ActivationQuantFusionPass"),
+    ("fuse_attn_quant", "vllm.compilation.passes.attn_quant_fusion:AttnQuantFusionPass"),
 ]
+FUSION_FLAGS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms")
 
 
 def _build(path: str, vllm_config: VllmConfig | None) -> VllmInductorPass:
@@ -53,14 +58,35 @@ class PostGradPassManager(CustomGraphPass):
         self.post_cleanup = PostCleanupPass()
         self.fix_functionalization = FixFunctionalizationPass()
         self.pass_config_hash = ""
+        self.fp8_model = False
+        self.num_graphs = 0
+        """Graphs the passes ran on (0 when everything came from the compile cache)."""
 
     def configure(self, vllm_config: VllmConfig) -> PostGradPassManager:
         pass_config = vllm_config.compilation_config.pass_config
         self.pass_config_hash = pass_config.compute_hash()
+        self.fp8_model = bool(getattr(vllm_config.model_config, "is_fp8", False))
+        fusions = [flag[len("fuse_"):] for flag in FUSION_FLAGS if getattr(pass_config, flag,
+                                                                            False)]
+        logger.info_once("Enabled fusions: %s", ", ".join(fusions) or "none")
         for flag, path in PASS_REGISTRY:
             if getattr(pass_config, flag, False):
                 self.add(_build(path, vllm_config))
         return self
+
+    def log_match_counts(self) -> None:
+        """After compiling: the rewrites per pass; a warning for an enabled fusion that matched
+        nothing on an FP8 model (where every one of them should match)."""
+        if not self.num_graphs:
+            logger.info("Graph passes did not run (every piece came from the compile cache)")
+            return
+        counts = ", ".join(f"{p.name}={p.total_matched}" for p in self.passes)
+        logger.info("Graph passes over %d graph(s): %s", self.num_graphs, counts or "none")
+        for p in self.passes:
+            if self.fp8_model and p.name.endswith("FusionPass") and p.total_matched == 0:
+                logger.warning("%s is enabled but matched nothing on this FP8 model: the "
+                               "graph does not hold the pattern it fuses (a changed layer, "
+                               "dtype, epsilon or custom-op form?)", p.name)
 
     def add(self, graph_pass: VllmInductorPass) -> None:
         if not isinstance(graph_pass, VllmInductorPass):
@@ -74,6 +100,7 @@ class PostGradPassManager(CustomGraphPass):
         from vllm.compilation.debug_dump import CompilationStageError, dump_graph
 
         ctx = get_pass_context()
+        self.num_graphs += 1
         for i, graph_pass in enumerate(self.all_passes()):
             if not graph_pass.is_applicable_for_range(ctx.compile_range):
                 logger.debug("Skipping %s with compile range %s", graph_pass.name,

@@ -48,6 +48,9 @@ class FixFunctionalizationPass(VllmInductorPass):
             if any(order.get(user, -1) > order[node] for user in arg.users if user is not node):
                 return False
         num_returns = len(schema.returns)
+        # The wrapper's result is (op result(s), *mutated): an op returning nothing still
+        # takes slot 0 (None), so mutated arguments start at max(num_returns, 1).
+        offset = max(num_returns, 1)
         getitems = [u for u in node.users
                     if u.op == "call_function" and u.target is operator.getitem]
         if len(getitems) != len(node.users):
@@ -55,6 +58,11 @@ class FixFunctionalizationPass(VllmInductorPass):
         with graph.inserting_before(node):
             call = graph.call_function(op, kwargs=kwargs)
             call.meta = dict(node.meta)
+            eager = call.meta.pop("eager_input_vals", None)
+            if eager is not None:  # recorded for the wrapper's (op, **kwargs): re-key for op
+                names = {a.name for a in schema.arguments}
+                call.meta["eager_input_vals"] = (
+                    (), {k: v for k, v in eager[1].items() if k in names})
         for user in getitems:
             index = user.args[1]
             if index < num_returns:
@@ -64,7 +72,7 @@ class FixFunctionalizationPass(VllmInductorPass):
                     with graph.inserting_after(call):
                         replacement = graph.call_function(operator.getitem, (call, index))
             else:
-                replacement = kwargs[mutated[index - num_returns]]
+                replacement = kwargs[mutated[index - offset]]
             user.replace_all_uses_with(replacement)
             graph.erase_node(user)
         graph.erase_node(node)

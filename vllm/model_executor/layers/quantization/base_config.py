@@ -32,6 +32,11 @@ class QuantizationConfig(ABC):
     def is_fp8(self) -> bool:
         return False
 
+    def activation_quant(self) -> tuple[bool, int | None]:
+        """How the quantized layers quantize their input: (static, group size), the group
+        size None for per-tensor (static) or per-token (dynamic) scales."""
+        raise NotImplementedError
+
     @property
     def has_static_activation_scales(self) -> bool:
         return False

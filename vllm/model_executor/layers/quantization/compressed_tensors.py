@@ -90,6 +90,11 @@ class CompressedTensorsConfig(QuantizationConfig):
     def has_static_activation_scales(self) -> bool:
         return self.act_static
 
+    def activation_quant(self) -> tuple[bool, int | None]:
+        if self.act_static:
+            return True, None
+        return False, (self.act_group_size if self.act_strategy == "group" else None)
+
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.quantization.fp8_linear import Fp8LinearMethod

@@ -54,6 +54,11 @@ class Fp8Config(QuantizationConfig):
     def has_static_activation_scales(self) -> bool:
         return self.activation_scheme == "static"
 
+    def activation_quant(self) -> tuple[bool, int | None]:
+        if self.activation_scheme == "static":
+            return True, None
+        return False, (self.weight_block_size[1] if self.weight_block_size else None)
+
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.quantization.fp8_linear import Fp8LinearMethod
