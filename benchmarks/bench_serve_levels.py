@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,13 +39,15 @@ def free_port() -> int:
 
 
 def start_server(model: str, level: int, port: int, extra: list[str], log_path: str,
-                 timeout: float) -> tuple[subprocess.Popen, float]:
+                 timeout: float, compile_cache: bool = True) -> tuple[subprocess.Popen, float]:
     """Start `vllm serve` and wait until /health answers; returns (process, seconds)."""
     import httpx
 
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, f"-O{level}",
            "--port", str(port), "--disable-uvicorn-access-log", *extra]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if not compile_cache:
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     log = open(log_path, "w")  # noqa: SIM115 - owned by the process
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -78,7 +81,7 @@ def bench_args(args: argparse.Namespace, port: int, num_prompts: int, label: str
             "--random-input-len", str(args.input_len), "--random-output-len",
             str(args.output_len), "--random-range-ratio", str(args.range_ratio),
             "--request-rate", str(args.request_rate), "--seed", str(seed), "--ignore-eos",
-            "--label", label]
+            "--label", label, "--metric-percentiles", "50,90,99"]
     if args.max_concurrency:
         argv += ["--max-concurrency", str(args.max_concurrency)]
     return parser.parse_args(argv)
@@ -101,14 +104,15 @@ def run_level(args: argparse.Namespace, level: int, log_dir: str) -> dict:
     log_path = os.path.join(log_dir, f"serve_O{level}.log")
     print(f"-O{level}: starting the server (log: {log_path})", flush=True)
     proc, startup_s = start_server(args.model, level, port, args.serve_arg, log_path,
-                                   args.startup_timeout)
+                                   args.startup_timeout, args.compile_cache == "on")
     try:
         print(f"-O{level}: healthy after {startup_s:.1f} s; warming up", flush=True)
-        warm_start = time.perf_counter()
-        if args.warmup_prompts:
-            asyncio.run(run_benchmark(bench_args(args, port, args.warmup_prompts,
-                                                 f"O{level}-warmup", seed=args.seed + 1)))
-        warmup_s = time.perf_counter() - warm_start
+        warmup_s = 0.0
+        if args.warmup_prompts:  # its duration: the load only, not the tokenizer loading
+            warm = asyncio.run(run_benchmark(bench_args(args, port, args.warmup_prompts,
+                                                        f"O{level}-warmup",
+                                                        seed=args.seed + 1)))
+            warmup_s = warm["duration_s"]
         print(f"-O{level}: measuring {args.num_prompts} requests", flush=True)
         result = asyncio.run(run_benchmark(bench_args(args, port, args.num_prompts,
                                                       f"O{level}", seed=args.seed)))
@@ -125,11 +129,13 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"# `vllm serve` by optimization level ({args.model})", "",
         f"Load: {args.num_prompts} requests, input {args.input_len} / output {args.output_len} "
         f"tokens (±{args.range_ratio:.0%}), request rate {args.request_rate}, max concurrency "
-        f"{args.max_concurrency or 'unlimited'}, temperature 0, ignore_eos. Machine: "
+        f"{args.max_concurrency or 'unlimited'}, temperature 0, ignore_eos; compile cache "
+        f"{args.compile_cache} (-O1+ compile on the first requests, so in the warm-up "
+        "column). Machine: "
         f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}; "
         f"{time.strftime('%Y-%m-%d %H:%M')}.", "",
         "| level | start-up to healthy (s) | engine phases (s) | warm-up (s) | req/s | "
-        "output tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | failed |",
+        "output tok/s | TTFT mean / median / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | failed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -137,7 +143,7 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| O{r['level']} | {r['startup_to_healthy_s']:.1f} | {phases} | "
             f"{r['warmup_s']:.1f} | {r['request_throughput']:.2f} | "
-            f"{r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} / {r['p50_ttft_ms']:.0f} / "
+            f"{r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} / {r['median_ttft_ms']:.0f} / "
             f"{r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} | {r['p99_itl_ms']:.1f} | "
             f"{r['failed']} |")
     if len(results) >= 2:
@@ -149,6 +155,8 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             start = r["startup_to_healthy_s"] / base["startup_to_healthy_s"]
             lines.append(f"O{r['level']} vs O{base['level']}: output throughput x{speed:.2f}, "
                          f"start-up x{start:.2f}.")
+    if args.note:
+        lines += ["", args.note]
     return "\n".join(lines) + "\n"
 
 
@@ -170,22 +178,30 @@ def main() -> int:
                         "--serve-arg=--max-num-seqs=32).")
     parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="serve_levels")
+    parser.add_argument("--compile-cache", choices=["on", "off"], default="off",
+                        help="off (default): every server compiles from scratch "
+                        "(VLLM_DISABLE_COMPILE_CACHE=1); on: reuse the on-disk cache.")
+    parser.add_argument("--note", default=None, help="A line added under the table.")
+    parser.add_argument("--log-dir", default=None,
+                        help="Server logs (default: a new temporary folder).")
     args = parser.parse_args()
     try:  # the load generator's tokenizer: import once here, not inside the timed warm-up
         import transformers  # noqa: F401
     except ImportError:
         pass
+    # Read torch & co. from disk once, so the first level's start-up is not billed for it.
+    subprocess.run([sys.executable, "-c", "import torch, transformers"], check=False)
     os.makedirs(args.output_dir, exist_ok=True)
-    log_dir = os.path.join(args.output_dir, "logs")
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_serve_levels_")
     os.makedirs(log_dir, exist_ok=True)
     results = [run_level(args, int(level), log_dir) for level in args.levels.split(",")]
-    table = markdown(results, args)
     md_path = os.path.join(args.output_dir, f"{args.name}.md")
     json_path = os.path.join(args.output_dir, f"{args.name}.json")
-    with open(md_path, "w") as f:
-        f.write(table)
     with open(json_path, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
+    table = markdown(results, args)
+    with open(md_path, "w") as f:
+        f.write(table)
     print(table)
     print(f"wrote {md_path} and {json_path}")
     return 0 if all(r["failed"] == 0 and r["exit_code"] == 0 for r in results) else 1
