@@ -1,5 +1,6 @@
-"""SIGTERM on `vllm serve`: new requests get 503, a short request finishes within the grace
-period, a long one is aborted when it runs out, and the process exits 0 in time."""
+"""`vllm serve demo` (the built-in demo model) and SIGTERM: new requests get 503, a short
+request finishes within the grace period, a long one is aborted when it runs out, and the
+process exits 0 in time."""
 from __future__ import annotations
 
 import json
@@ -15,11 +16,13 @@ pytestmark = pytest.mark.slow
 GRACE_S = 1.5
 
 
-def test_sigterm_drains_then_exits_zero(llama_path, tmp_path):
+def test_demo_server_sigterm_drains_then_exits_zero(tmp_path):
     server = RemoteServer("vllm.entrypoints.cli.main", [
-        "serve", llama_path, "-O0", "--kv-cache-memory", "16MiB", "--shutdown-timeout",
-        str(GRACE_S), "--disable-uvicorn-access-log"], log_dir=str(tmp_path))
+        "serve", "demo", "-O0", "--shutdown-timeout", str(GRACE_S),
+        "--disable-uvicorn-access-log"], log_dir=str(tmp_path))
     try:
+        models = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["demo"]
         url = server.url + "/v1/completions"
         long_result: dict = {"reasons": {}, "done": False}
         started = threading.Event()
