@@ -335,6 +335,7 @@ def run_server(args: argparse.Namespace) -> int:
         server = _uvicorn_server_class()(config, app.state.server, args.shutdown_timeout)
         logger.info("Serving %r on http://%s:%d (API key %s)", served, args.host, args.port,
                     "required" if api_key else "not required")
+        logger.info("Try it:\n%s", example_curl(served, args.host, args.port, api_key))
         asyncio.run(server.serve(sockets=[sock]))
         if not server.started:
             return 1
@@ -343,3 +344,12 @@ def run_server(args: argparse.Namespace) -> int:
         engine.shutdown()
     logger.info("server stopped")
     return 0
+
+
+def example_curl(served: str, host: str, port: int, api_key: str | None) -> str:
+    """A ready-to-paste curl line for the completions endpoint."""
+    auth = " -H 'Authorization: Bearer $VLLM_API_KEY'" if api_key else ""
+    body = json.dumps({"model": served, "prompt": "def __init__(self", "max_tokens": 32,
+                       "temperature": 0})
+    return (f"curl -s http://{host}:{port}/v1/completions -H 'Content-Type: application/json'"
+            f"{auth} -d '{body}'")
