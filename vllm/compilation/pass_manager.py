@@ -68,7 +68,7 @@ class PostGradPassManager(CustomGraphPass):
         self.fp8_model = bool(getattr(vllm_config.model_config, "is_fp8", False))
         fusions = [flag[len("fuse_"):] for flag in FUSION_FLAGS if getattr(pass_config, flag,
                                                                             False)]
-        logger.info_once("Enabled fusions: %s", ", ".join(fusions) or "none")
+        logger.info("Enabled fusions: %s", ", ".join(fusions) or "none")
         for flag, path in PASS_REGISTRY:
             if getattr(pass_config, flag, False):
                 self.add(_build(path, vllm_config))

@@ -1,0 +1,100 @@
+"""The FP8 fusion passes in the pass manager: order, flags, uuid, start-up and match-count
+logs, the warning for an enabled fusion that matched nothing on an FP8 model."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tests.config import model_configs
+from vllm.compilation import pass_manager as pm
+from vllm.compilation.passes import matcher_utils as mu
+from vllm.config import CompilationConfig, PassConfig, VllmConfig
+
+ALL = {"eliminate_noops": True, "fuse_norm_quant": True, "fuse_act_quant": True,
+       "fuse_attn_quant": True}
+
+
+def config(model=None, **flags) -> VllmConfig:
+    """-O2 with exactly the given passes on (every other pass flag explicitly off)."""
+    flags = {name: False for name in ALL} | flags
+    return VllmConfig(model_config=model, optimization_level=2,
+                      compilation_config=CompilationConfig(backend="eager",
+                                                           pass_config=PassConfig(**flags)))
+
+
+def manager(vllm_config: VllmConfig) -> pm.PostGradPassManager:
+    return pm.PostGradPassManager().configure(vllm_config)
+
+
+def test_registry_order_is_upstreams():
+    flags = [flag for flag, _ in pm.PASS_REGISTRY]
+    assert flags == ["eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant"]
+    names = [p.name for p in manager(config(model_configs.fp8("static"), **ALL)).all_passes()]
+    assert names == ["NoOpEliminationPass", "RMSNormQuantFusionPass",
+                     "ActivationQuantFusionPass", "AttnQuantFusionPass", "PostCleanupPass",
+                     "FixFunctionalizationPass"]
+
+
+def test_levels_enable_the_fusions_for_fp8_models():
+    static = manager(VllmConfig(model_config=model_configs.fp8("static"), optimization_level=2))
+    assert {p.name for p in static.passes} >= {"RMSNormQuantFusionPass",
+                                              "ActivationQuantFusionPass"}
+    dense = manager(VllmConfig(model_config=model_configs.dense(), optimization_level=2))
+    assert [p.name for p in dense.passes] == ["NoOpEliminationPass"]
+
+
+def test_uuid_follows_flags_and_sources(monkeypatch):
+    model = model_configs.fp8("dynamic")
+    a = manager(config(model, eliminate_noops=True, fuse_norm_quant=True)).uuid()
+    assert a == manager(config(model, eliminate_noops=True, fuse_norm_quant=True)).uuid()
+    assert a != manager(config(model, eliminate_noops=True, fuse_norm_quant=True,
+                               fuse_act_quant=True)).uuid()
+    assert a != manager(config(model, eliminate_noops=True, fuse_norm_quant=False)).uuid()
+    # The source the patterns are traced from is part of each fusion pass's uuid.
+    monkeypatch.setattr(mu, "dependency_hash", lambda: "edited")
+    assert a != manager(config(model, eliminate_noops=True, fuse_norm_quant=True)).uuid()
+
+
+def test_patterns_follow_the_models_scheme():
+    static = manager(config(model_configs.fp8("static"), fuse_norm_quant=True)).passes[0]
+    dynamic = manager(config(model_configs.fp8("dynamic"), fuse_norm_quant=True)).passes[0]
+    assert static.schemes == [mu.STATIC] and dynamic.schemes == [mu.PER_TOKEN]
+    group = manager(config(model_configs.compressed_tensors_fp8(True),
+                           fuse_act_quant=True)).passes[0]
+    assert group.schemes == [mu.PER_TOKEN]
+    assert all("float32" in name and "aten" in name for name in static.patterns.registered)
+
+
+def test_startup_and_match_count_logs(caplog):
+    caplog.set_level(logging.INFO, logger="vllm")
+    m = manager(config(model_configs.fp8("static"), **ALL))
+    assert "Enabled fusions: norm_quant, act_quant, attn_quant" in caplog.text
+    m.log_match_counts()
+    assert "did not run" in caplog.text  # nothing compiled yet (e.g. every piece cached)
+
+    caplog.clear()
+    gm = make_fx(lambda x: torch.relu(x) + 1)(torch.randn(4))
+    m(gm.graph)
+    m.log_match_counts()
+    assert "RMSNormQuantFusionPass=0" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("RMSNormQuantFusionPass is enabled but matched nothing" in w for w in warned)
+    assert any("AttnQuantFusionPass is enabled but matched nothing" in w for w in warned)
+
+
+def test_no_warning_for_unquantized_models(caplog):
+    caplog.set_level(logging.INFO, logger="vllm")
+    m = manager(config(model_configs.dense(), eliminate_noops=True, fuse_norm_quant=True))
+    gm = make_fx(lambda x: x * 2)(torch.randn(4))
+    m(gm.graph)
+    m.log_match_counts()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("flag", ["fuse_norm_quant", "fuse_act_quant"])
+def test_fusion_without_model_registers_every_scheme(flag):
+    m = manager(config(None, **{flag: True}))
+    assert m.passes[0].schemes == [mu.STATIC, mu.PER_TOKEN, mu.QuantScheme(False, 128)]
