@@ -1,0 +1,126 @@
+"""FP8 checkpoints load and compute what a dequantized reference computes.
+
+Two references, both transformers' Llama on the dequantized twin of the checkpoint
+(`fp8_checkpoints.make_fp8_llama`, float32):
+  - with the same FP8 quantization of every linear layer's input (hooks): our model must match
+    it closely (the weights and the activation quantization are the same; only the GEMM's
+    summation order differs);
+  - without it: within FP8 tolerance (activations rounded to 3 mantissa bits).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model_executor.paged_runner import PagedRunner
+from tests.quantization.fp8_checkpoints import LINEARS, make_fp8_llama
+from vllm.config import ModelConfig, VllmConfig
+from vllm.model_executor.kernels import fp8_ops as F8
+from vllm.model_executor.model_loader import get_model
+
+PROMPT = list(range(3, 40))
+CASES = [("fp8", "tensor", "static"), ("fp8", "tensor", "dynamic"), ("fp8", "block", "dynamic"),
+         ("compressed-tensors", "tensor", "static"), ("compressed-tensors", "channel", "dynamic"),
+         ("compressed-tensors", "block", "group")]
+
+
+def our_logits(path: str) -> tuple[torch.Tensor, torch.nn.Module]:
+    config = VllmConfig(model_config=ModelConfig(model=path, dtype="float32"),
+                        optimization_level=0)
+    model = get_model(config)
+    return PagedRunner(model, config).step([("a", PROMPT)])["a"], model
+
+
+def reference_logits(ckpt, fake_quant: bool) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt.dequant_path, dtype=torch.float32).eval()
+    group = 128 if ckpt.weights == "block" else -1  # block weights: per-group activations
+    if fake_quant:
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] not in LINEARS:
+                continue
+            scale = ckpt.scales[name].get("input_scale")
+
+            def hook(_module, args, scale=scale):
+                x = args[0]
+                if scale is not None:
+                    scale = scale.reshape(1)
+                    return (F8.ref_static_quant(x, scale).float() * scale,)
+                q, s = F8.ref_dynamic_quant(x, group)
+                if group == -1:
+                    return (q.float() * s,)
+                return ((q.float().unflatten(-1, (-1, group)) * s.unsqueeze(-1)).flatten(-2),)
+
+            module.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([PROMPT])).logits[0]
+
+
+@pytest.mark.parametrize("layout,weights,activations", CASES,
+                         ids=["-".join(c) for c in CASES])
+def test_fp8_checkpoint_matches_dequantized_reference(tmp_path, layout, weights, activations):
+    ckpt = make_fp8_llama(tmp_path / "m", layout=layout, weights=weights,
+                          activations=activations, dtype="float32")
+    ours, model = our_logits(ckpt.path)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.gemm == "dequant"  # the CPU path
+    assert model.lm_head.weight.dtype == torch.float32  # lm_head stays unquantized
+
+    same_quant = reference_logits(ckpt, fake_quant=True)
+    torch.testing.assert_close(ours, same_quant, rtol=0, atol=0.05)
+    assert (ours.argmax(-1) == same_quant.argmax(-1)).float().mean() >= 0.95
+
+    plain = reference_logits(ckpt, fake_quant=False)
+    scale = plain.abs().max()
+    assert (ours - plain).abs().max() <= 0.35 * scale  # FP8 activations
+    assert (ours.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.75
+
+
+def test_static_scales_per_shard_use_their_max(tmp_path):
+    ckpt = make_fp8_llama(tmp_path / "s", layout="fp8", weights="tensor", activations="static",
+                          dtype="float32")
+    _, model = our_logits(ckpt.path)
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    prefix = "model.layers.1.self_attn"
+    expected = max(float(ckpt.scales[f"{prefix}.{p}"]["input_scale"]) for p in
+                   ("q_proj", "k_proj", "v_proj"))
+    assert qkv.input_scale.shape == (1,)
+    assert qkv.input_scale.item() == pytest.approx(expected)
+
+
+def test_missing_scale_is_reported(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = make_fp8_llama(tmp_path / "x", layout="fp8", weights="tensor", activations="static",
+                          dtype="float32")
+    path = f"{ckpt.path}/model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.0.self_attn.k_proj.input_scale"]
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match="missing tensors.*input_scale"):
+        our_logits(ckpt.path)
+
+
+def test_block_scales_need_block_aligned_shards():
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    # One KV head of 32: the k shard (32 rows) does not end on a 128-row block boundary.
+    with pytest.raises(ValueError, match="not a multiple of the FP8 weight block size"):
+        QKVParallelLinear(128, 32, 4, 1, bias=False,
+                          quant_config=Fp8Config("dynamic", weight_block_size=[128, 128]),
+                          prefix="model.layers.0.self_attn.qkv_proj")
+
+
+def test_bfloat16_model_runs(tmp_path):
+    ckpt = make_fp8_llama(tmp_path / "bf", layout="compressed-tensors", weights="channel",
+                          activations="static", dtype="bfloat16")
+    config = VllmConfig(model_config=ModelConfig(model=ckpt.path, dtype="bfloat16"),
+                        optimization_level=0)
+    model = get_model(config)
+    logits = PagedRunner(model, config).step([("a", PROMPT)])["a"]
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    fp32, _ = our_logits(ckpt.path)
+    assert torch.isfinite(logits).all()
+    assert (logits.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.7
