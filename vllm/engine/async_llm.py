@@ -341,9 +341,10 @@ class AsyncLLM:
                 if stop:
                     self._abort_all("engine shut down")
                     return
-                if engine.has_unfinished_requests():
-                    self._deliver(engine.step())
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                # Stats first: a client that sees its final output also sees its blocks freed.
                 self._stats = self._read_stats()
+                self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             logger.exception("engine loop died")
             self._dead = exc
