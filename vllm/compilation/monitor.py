@@ -8,6 +8,12 @@
 
 Phases recorded more than once (one per piece, one per capture) are summed in `table()` and
 listed one by one in `as_dict()["phases"][name]["events"]`.
+
+The engine resets the timer when its start-up begins and, once ready, logs `table(wall)`:
+every standard phase (0 when it did not happen), the per-piece compile rows, and "other"
+(the wall time no phase covers), so that the rows add up to the start-up wall time. Phases
+must not overlap: a phase that contains others (warm-up runs the Dynamo trace and the
+compiles) subtracts them (`subtract`).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ STANDARD_PHASES = (
     "kv cache allocation",
     "warm-up",
 )
+OTHER = "other"
 
 
 class StartupTimer:
@@ -60,7 +67,21 @@ class StartupTimer:
 
     def count(self, name: str) -> int:
         with self._lock:
-            return sum(1 for n, _, info in self._events if n == name and not info.get("correction"))
+            return sum(1 for n, _, info in self._events if n == name and _counted(info))
+
+    def wall_seconds(self) -> float:
+        """Seconds since the timer was created or last reset (the start of start-up)."""
+        return time.perf_counter() - self._created
+
+    def phase_seconds(self, wall_seconds: float | None = None) -> dict[str, float]:
+        """phase -> seconds: every standard phase (0.0 when it did not happen), then the other
+        phases recorded, then "other" = `wall_seconds` minus their sum (when given)."""
+        recorded = self.phases()
+        names = list(STANDARD_PHASES) + [n for n in recorded if n not in STANDARD_PHASES]
+        result = {name: max(self.seconds(name), 0.0) for name in names}
+        if wall_seconds is not None:
+            result[OTHER] = max(wall_seconds - sum(result.values()), 0.0)
+        return result
 
     def phases(self) -> list[str]:
         with self._lock:
@@ -76,20 +97,28 @@ class StartupTimer:
             mine = [(s, info) for n, s, info in events if n == name]
             phases[name] = {
                 "seconds": round(sum(s for s, _ in mine), 6),
-                "count": sum(1 for _, info in mine if not info.get("correction")),
+                "count": sum(1 for _, info in mine if _counted(info)),
                 "events": [{"seconds": round(s, 6), **info} for s, info in mine
                            if not info.get("correction")],
             }
         total = sum(p["seconds"] for p in phases.values())
         return {"total_seconds": round(total, 6), "phases": phases}
 
-    def table(self) -> str:
+    def table(self, wall_seconds: float | None = None) -> str:
+        """The start-up table: one row per phase (standard ones always), a row per compiled
+        piece under "inductor compilation", "other" (with `wall_seconds`) and the total."""
         data = self.as_dict()
+        seconds = self.phase_seconds(wall_seconds)
         rows = []
-        for name, phase in data["phases"].items():
-            detail = _summarize(phase["events"])
-            rows.append((name, f"{phase['seconds']:.2f}", str(phase["count"]), detail))
-        rows.append(("total", f"{data['total_seconds']:.2f}", "", ""))
+        for name, secs in seconds.items():
+            phase = data["phases"].get(name, {"count": 0, "events": []})
+            count = "" if name == OTHER else str(phase["count"])
+            rows.append((name, f"{secs:.2f}", count, _summarize(phase["events"])))
+            if name == "inductor compilation":
+                rows += _piece_rows(phase["events"])
+        total = sum(seconds.values())
+        rows.append(("total", f"{total:.2f}", "",
+                     "" if wall_seconds is None else f"wall {wall_seconds:.2f}"))
         widths = [max(len(r[i]) for r in rows + [("phase", "seconds", "count", "")])
                   for i in range(3)]
         lines = [f"{'phase':<{widths[0]}}  {'seconds':>{widths[1]}}  {'count':>{widths[2]}}  "
@@ -105,10 +134,31 @@ class StartupTimer:
             self._created = time.perf_counter()
 
 
+def _counted(info: dict[str, Any]) -> bool:
+    """Corrections and time around the counted events (`uncounted=True`) are not events."""
+    return not info.get("correction") and not info.get("uncounted")
+
+
+def _piece_rows(events: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """One indented row per compiled piece: its seconds, compiles and cache results."""
+    pieces: dict[Any, list[dict[str, Any]]] = {}
+    for event in events:
+        if "piece" in event:
+            pieces.setdefault(event["piece"], []).append(event)
+    rows = []
+    for piece, mine in pieces.items():
+        details = {k: v for k, v in ((k, [str(e[k]) for e in mine if k in e])
+                                     for k in ("cache", "range")) if v}
+        text = "; ".join(f"{k}: " + ", ".join(dict.fromkeys(v)) for k, v in details.items())
+        rows.append((f"  piece {piece}", f"{sum(e['seconds'] for e in mine):.2f}",
+                     str(len(mine)), text))
+    return rows
+
+
 def _summarize(events: list[dict[str, Any]]) -> str:
     """"cache: 2 hit, 1 miss" style summary of the detail fields shared by the events."""
     parts = []
-    keys = dict.fromkeys(k for e in events for k in e if k != "seconds")
+    keys = dict.fromkeys(k for e in events for k in e if k not in ("seconds", "uncounted"))
     for key in keys:
         values = [str(e[key]) for e in events if key in e]
         counts = dict.fromkeys(values, 0)

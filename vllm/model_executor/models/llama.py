@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from vllm.attention.layer import Attention, collect_attention_layers
+from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
@@ -143,7 +144,14 @@ class LlamaDecoderLayer(nn.Module):
         return self._mlp(hidden_states), residual
 
 
+@support_torch_compile
 class LlamaModel(nn.Module):
+    """The decoder stack: forward(input_ids [T], positions [T]) -> hidden [T, hidden].
+
+    Compiled with `@support_torch_compile` at -O1..-O3 (the token dimension T dynamic, the
+    graph split at the attention op); Qwen2, Qwen3 and Mixtral reuse it with their layer
+    types, so every architecture here compiles through it."""
+
     def __init__(self, *, vllm_config: Any, prefix: str = "",
                  layer_type: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
