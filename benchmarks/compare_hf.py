@@ -103,8 +103,8 @@ def case(args, engine: str, dtype: str, batch: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", engine, "--path", args.path, "--dtype", dtype,
            "--batch", str(batch), "--max-tokens", str(args.max_tokens), "--threads",
            str(args.threads), "--level", str(args.level), "--repeats", str(args.repeats)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ,
-                                                                    "VLLM_LOGGING_LEVEL": "WARNING"})
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode != 0 or not line:
         raise RuntimeError(f"{engine} {dtype} batch {batch} failed:\n{out.stderr[-3000:]}")
