@@ -19,7 +19,7 @@ ALL = {"eliminate_noops": True, "fuse_norm_quant": True, "fuse_act_quant": True,
 
 def config(model=None, **flags) -> VllmConfig:
     """-O2 with exactly the given passes on (every other pass flag explicitly off)."""
-    flags = {name: False for name in ALL} | flags
+    flags = dict.fromkeys(ALL, False) | flags
     return VllmConfig(model_config=model, optimization_level=2,
                       compilation_config=CompilationConfig(backend="eager",
                                                            pass_config=PassConfig(**flags)))

@@ -194,6 +194,12 @@ class Fp8LinearMethod(LinearMethodBase):
                 layer.weight_scale_mm = nn.Parameter(row_scale.view(1, n), requires_grad=False)
             return
         self.gemm = "dequant"
+        if weight.device.type == "cpu":
+            # Build (first time on this machine) and load the C++ quant kernels now, in the
+            # loading phase, rather than at the first forward.
+            from vllm.model_executor.kernels.cpu_loader import load_cpu_fp8_kernels
+
+            load_cpu_fp8_kernels()
         w32 = weight.to(torch.float32)
         if self.weight_strategy == "block":
             bn, bk = self.block_size
