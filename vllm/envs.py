@@ -31,6 +31,9 @@ _GETTERS = {
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
     "VLLM_LOGGING_LEVEL": lambda: os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
     "TORCH_COMPILE_DISABLE": lambda: _flag("TORCH_COMPILE_DISABLE"),
+    # Tests: a Dynamo recompile of a compiled model (a guard of its first trace failed) is an
+    # error instead of a warning.
+    "VLLM_TEST_FAIL_ON_RECOMPILE": lambda: _flag("VLLM_TEST_FAIL_ON_RECOMPILE"),
 }
 
 

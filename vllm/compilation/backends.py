@@ -9,10 +9,11 @@ with those runnables in place of its submodules is what Dynamo runs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -189,14 +190,21 @@ class VllmBackend:
                 runnable = CUDAGraphWrapper(runnable, self.vllm_config, CUDAGraphMode.PIECEWISE)
             # Shadow the submodule: the split module's code looks it up as an attribute.
             split_gm.__dict__[item.name] = runnable
-        if self.cache is not None:
-            self.cache.report()
+        if _deferred_reports is not None:
+            _deferred_reports.append(self)
+        else:
+            self.report_cache()
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d pieces (%d split at %s) with backend %s in %.2f s",
                     len(items), sum(i.is_splitting for i in items), self.splitting_ops or "nothing",
                     self.compiler.name, elapsed)
         self.pass_manager.log_match_counts()
         return split_gm.forward
+
+    def report_cache(self) -> None:
+        """Log "compile cache: hit|miss ... in <dir>" for what this backend compiled/loaded."""
+        if self.cache is not None:
+            self.cache.report()
 
     def _open_cache(self, gm: fx.GraphModule) -> None:
         reason = cache_disabled_reason(self.vllm_config)
@@ -258,6 +266,24 @@ class VllmBackend:
 
         found = sorted(glob.glob(f"{dump_dir}/inductor/**/output_code.py", recursive=True))
         self.dumper.record_output_code(piece_index, tag, found[-1] if found else "(not found)")
+
+
+_deferred_reports: list[VllmBackend] | None = None
+
+
+@contextlib.contextmanager
+def deferred_cache_reports() -> Iterator[None]:
+    """Backends that compile inside the block log their compile-cache line once, when it
+    ends (after the engine's warm-up has also compiled the static sizes), not after the
+    first compile."""
+    global _deferred_reports
+    outer, _deferred_reports = _deferred_reports, []
+    try:
+        yield
+    finally:
+        backends, _deferred_reports = _deferred_reports, outer
+        for backend in backends:
+            backend.report_cache()
 
 
 def _parameter_inputs(split_gm: fx.GraphModule, name: str, example_inputs: list[Any]

@@ -156,7 +156,9 @@ class _CompileState:
                    "value). Set TORCH_LOGS=recompiles to see which guard.")
         if self.mode == CompilationMode.DYNAMO_TRACE_ONCE:
             raise RecompileError(message + " Mode DYNAMO_TRACE_ONCE allows one trace only.")
-        if os.environ.get("VLLM_TEST_FAIL_ON_RECOMPILE", "0") == "1":
+        from vllm import envs
+
+        if envs.VLLM_TEST_FAIL_ON_RECOMPILE:
             raise RecompileError(message + " (VLLM_TEST_FAIL_ON_RECOMPILE=1)")
         logger.warning(message)
 
@@ -191,6 +193,9 @@ class _CompileState:
         return self._first_call(args, kwargs)
 
     def _first_call(self, args: tuple, kwargs: dict) -> Any:
+        timer = get_startup_timer()
+        start = time.perf_counter()
+        backend_before = timer.seconds("inductor compilation")
         bound = self.signature.bind(self.model_ref, *args, **kwargs)
         self._mark_dynamic(bound)
         if self.compiled is None:
@@ -198,9 +203,6 @@ class _CompileState:
             self.compiled = torch.compile(
                 method, backend=self._make_backend(), fullgraph=True, dynamic=False,
                 options={"guard_filter_fn": self._guard_filter})
-        timer = get_startup_timer()
-        start = time.perf_counter()
-        backend_before = timer.seconds("inductor compilation")
         try:
             # Treat the token dimension as "any size >= 0": without this, a first call with
             # N >= 2 tokens guards on N != 1 and a later 1-token batch would recompile.

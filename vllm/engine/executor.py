@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
-import time
 import traceback
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -55,28 +54,25 @@ class UniProcExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
     def _start(self, load_format: str) -> None:
+        """Start every worker; each step is a phase of the process-wide start-up timer (the
+        warm-up without the Dynamo trace, compiles and captures it runs: those are their own
+        phases, recorded where they happen)."""
         from vllm.compilation.monitor import get_startup_timer
 
         timer = get_startup_timer()
-        self.startup_phases: dict[str, float] = {}
-
-        def timed(phase: str, method: str, *args: Any) -> list[Any]:
-            start = time.perf_counter()
-            with timer.phase(phase):
-                result = self._call_all(method, *args)
-            self.startup_phases[phase] = time.perf_counter() - start
-            return result
-
         self._call_all("init_device")
-        timed("weight loading", "load_model", load_format)
-        start = time.perf_counter()
+        with timer.phase("weight loading"):
+            self._call_all("load_model", load_format)
         with timer.phase("kv cache allocation"):
             # Every rank must fit the cache: take the smallest.
             self.num_blocks = min(self._call_all("determine_num_blocks"))
             self._call_all("initialize_cache", self.num_blocks)
-        self.startup_phases["kv cache allocation"] = time.perf_counter() - start
         self._log_kv_cache()
-        timed("warm-up", "compile_or_warm_up_model")
+        nested = ("dynamo tracing", "inductor compilation", "cudagraph capture")
+        before = sum(timer.seconds(name) for name in nested)
+        with timer.phase("warm-up"):
+            self._call_all("compile_or_warm_up_model")
+        timer.subtract("warm-up", sum(timer.seconds(name) for name in nested) - before)
 
     def _log_kv_cache(self) -> None:
         cc, sc = self.vllm_config.cache_config, self.vllm_config.scheduler_config

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.compilation.monitor import StartupTimer, reset_startup_timer
 from vllm.engine.executor import Executor
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request import Request, RequestStatus
@@ -54,12 +55,17 @@ class LLMEngine:
     """The synchronous engine: requests in, RequestOutputs out, one step at a time."""
 
     def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
-                 log_stats: bool = False, load_format: str = "auto") -> None:
+                 log_stats: bool = False, load_format: str = "auto",
+                 startup_timer: StartupTimer | None = None) -> None:
+        """`startup_timer`: the process-wide timer, already reset and holding the config
+        resolution (`from_engine_args`); None resets it here."""
+        timer = startup_timer or reset_startup_timer()
         self.vllm_config = vllm_config
         self.model_config = mc = vllm_config.model_config
         self.log_stats = log_stats
         logger.info("%s", vllm_config.summary_line())
-        self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+        with timer.phase("tokenizer loading"):
+            self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.generation_config = self._read_generation_config()
         self.eos_token_ids = self._eos_token_ids()
         self.max_model_len = mc.max_model_len
@@ -70,15 +76,28 @@ class LLMEngine:
         self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
                                    self.executor.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.startup_phases: dict[str, float] = dict(
-            getattr(self.executor, "startup_phases", {}))
         self._last_log = time.monotonic()
         self._generated_since_log = 0
+        self._finish_startup(timer)
+
+    def _finish_startup(self, timer: StartupTimer) -> None:
+        """Close the start-up timer: `startup_phases` (phase -> seconds, "other" included, the
+        rows adding up to `startup_seconds`), `startup_report` (every event) and one log
+        table."""
+        wall = timer.wall_seconds()
+        self.startup_seconds = wall
+        self.startup_phases: dict[str, float] = timer.phase_seconds(wall)
+        self.startup_report: dict[str, Any] = {**timer.as_dict(), "wall_seconds": wall}
+        logger.info("Start-up phases (ready in %.2f s, level O%d):\n%s", wall,
+                    int(self.vllm_config.optimization_level), timer.table(wall))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
-        config = engine_args.create_engine_config()
+        timer = reset_startup_timer()
+        with timer.phase("config resolution"):
+            config = engine_args.create_engine_config()
         kwargs.setdefault("log_stats", not engine_args.disable_log_stats)
+        kwargs.setdefault("startup_timer", timer)
         return cls(config, **kwargs)
 
     @classmethod

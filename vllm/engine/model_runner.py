@@ -7,6 +7,7 @@ rows), sample, and return a ModelRunnerOutput.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -158,15 +159,52 @@ class ModelRunner:
         if mode.has_full_cudagraphs() and not isinstance(self.model, CUDAGraphWrapper):
             self.model = CUDAGraphWrapper(self.model, self.vllm_config, CUDAGraphMode.FULL)
         keys = dispatcher.capture_descriptors()
-        with get_startup_timer().phase("cudagraph capture", graphs=len(keys)):
-            for runtime_mode, descriptor in keys:
-                num_reqs = descriptor.num_reqs if descriptor.uniform else 1
-                self.dummy_run(descriptor.num_tokens, num_reqs, descriptor.uniform)
-                self.dummy_run(descriptor.num_tokens, num_reqs, descriptor.uniform,
-                               runtime_mode, descriptor)
+        # The graph wrappers record each capture; the warm-up runs between them go to the
+        # same phase as one uncounted event, so the phase's count is the number of graphs.
+        timer = get_startup_timer()
+        start = time.perf_counter()
+        captured_before = timer.seconds("cudagraph capture")
+        for runtime_mode, descriptor in keys:
+            num_reqs = descriptor.num_reqs if descriptor.uniform else 1
+            self.dummy_run(descriptor.num_tokens, num_reqs, descriptor.uniform)
+            self.dummy_run(descriptor.num_tokens, num_reqs, descriptor.uniform,
+                           runtime_mode, descriptor)
+        captured = timer.seconds("cudagraph capture") - captured_before
+        timer.record("cudagraph capture", time.perf_counter() - start - captured,
+                     uncounted=True)
         self.cudagraph_dispatcher = dispatcher
         logger.info("Captured %d CUDA graphs (mode %s, sizes up to %d tokens)", len(keys), mode,
                     dispatcher.max_capture_size)
+
+    def warm_up_sizes(self) -> tuple[int, list[int]]:
+        """(the token count of the first, tracing warm-up forward; the compile sizes).
+
+        The first forward is the Dynamo trace with the token dimension dynamic, so it must not
+        be a compile size (that size would then be compiled twice: general and static): the
+        smallest count >= 2 that is not one (2 rather than 1, so nothing specializes on a
+        single token)."""
+        sizes = sorted({int(s) for s in self.vllm_config.compilation_config.compile_sizes or []
+                        if int(s) <= self.max_num_tokens})
+        general = 2
+        while general in sizes and general < self.max_num_tokens:
+            general += 1
+        return min(general, self.max_num_tokens), sizes
+
+    @torch.inference_mode()
+    def compile_or_warm_up_model(self) -> None:
+        """Compile during start-up, not on the first request: a forward over dummy requests
+        (KV in the reserved block 0) runs the Dynamo trace and compiles the dynamic graph
+        (every compile range); then one forward per `compile_sizes` entry compiles its static
+        shapes; then the CUDA graphs are captured. At -O0 the forward only warms up."""
+        from vllm.compilation.backends import deferred_cache_reports
+
+        general, sizes = self.warm_up_sizes()
+        with deferred_cache_reports():
+            hidden = self.dummy_run(general)
+            self.model.compute_logits(hidden[:1])
+            for size in sizes:
+                self.dummy_run(size)
+        self.capture_model()
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, num_reqs: int = 1, uniform: bool = False,

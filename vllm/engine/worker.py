@@ -159,10 +159,9 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks, kv_cache_dtype(self.vllm_config))
 
     def compile_or_warm_up_model(self) -> None:
-        """Compile / capture CUDA graphs where the level asks for it (the runner's hook)."""
-        warm_up = getattr(self.model_runner, "capture_model", None)
-        if warm_up is not None:
-            warm_up()
+        """Warm-up forwards that compile the model (Dynamo trace, the dynamic graph, each
+        compile size) and capture the CUDA graphs, before the engine reports ready."""
+        self.model_runner.compile_or_warm_up_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,118 @@
+"""Latency of one batch: prefill time and per-token decode time at one optimization level.
+
+Starts one engine (`--model`, `-O`, any engine flag), then runs `--num-iters-warmup` and
+`--num-iters` times a batch of `--batch-size` requests of `--input-len` random prompt tokens
+generating exactly `--output-len` tokens each (greedy, EOS ignored, prefix cache off so every
+iteration prefills). One engine step is timed at a time: the steps that process prompt
+tokens are the prefill, each later step (one new token for every request) is one decode step.
+Reports the median over iterations of the prefill time and of the mean decode-step time,
+with their spread, and writes them as JSON with `--output-json`.
+
+    vllm bench latency --model demo -O2 --batch-size 16 --input-len 32 --output-len 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
+    group = parser.add_argument_group("latency benchmark")
+    group.add_argument("--batch-size", type=int, default=8, help="Requests in the batch.")
+    group.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
+    group.add_argument("--output-len", type=int, default=64,
+                       help="Generated tokens per request (the first comes with the prefill).")
+    group.add_argument("--num-iters-warmup", type=int, default=1,
+                       help="Untimed batches first (lazy per-size work, caches).")
+    group.add_argument("--num-iters", type=int, default=3, help="Timed batches.")
+    group.add_argument("--output-json", default=None, help="Write the results here as JSON.")
+    parser.set_defaults(enable_prefix_caching=False)
+    return parser
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "spread": max(values) - min(values)}
+
+
+def run_batch(engine: Any, batch: list[list[int]], output_len: int) -> tuple[float, list[float]]:
+    """(prefill seconds, [seconds of each decode step]) for one batch run to completion."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    tag = f"{time.perf_counter_ns()}"
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"lat-{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    prefill, decode = 0.0, []
+    while engine.has_unfinished_requests():
+        prompts_left = any(r.num_computed_tokens < r.num_prompt_tokens
+                           for r in engine.scheduler.requests.values())
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        if prompts_left:
+            prefill += elapsed
+        else:
+            decode.append(elapsed)
+    return prefill, decode
+
+
+def main(args: argparse.Namespace) -> int:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.llm_engine import LLMEngine
+
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.disable_log_stats = True
+    start = time.perf_counter()
+    engine = LLMEngine.from_engine_args(engine_args)
+    startup = time.perf_counter() - start
+    rng = random.Random(args.seed)
+    vocab = engine.vocab_size
+
+    def batch() -> list[list[int]]:
+        return [[rng.randrange(3, vocab) for _ in range(args.input_len)]
+                for _ in range(args.batch_size)]
+
+    for _ in range(args.num_iters_warmup):
+        run_batch(engine, batch(), args.output_len)
+    prefills, decodes = [], []
+    for _ in range(args.num_iters):
+        prefill, steps = run_batch(engine, batch(), args.output_len)
+        prefills.append(prefill)
+        decodes.append(statistics.mean(steps) if steps else float("nan"))
+    level = int(engine.vllm_config.optimization_level)
+    result = {
+        "model": args.model, "optimization_level": level, "batch_size": args.batch_size,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "num_iters": args.num_iters, "startup_seconds": startup,
+        "prefill_seconds": _summary(prefills), "decode_step_seconds": _summary(decodes),
+        "decode_tokens_per_second": args.batch_size / statistics.median(decodes),
+        "compilation_config": _compilation_summary(engine.vllm_config),
+    }
+    print(f"-O{level} batch {args.batch_size}, input {args.input_len}, output "
+          f"{args.output_len}, {args.num_iters} iterations (median [min, max]):")
+    for name, key in (("prefill", "prefill_seconds"), ("decode step", "decode_step_seconds")):
+        s = result[key]
+        print(f"  {name:<12} {1e3 * s['median']:9.2f} ms  [{1e3 * s['min']:.2f}, "
+              f"{1e3 * s['max']:.2f}]")
+    print(f"  decode       {result['decode_tokens_per_second']:9.1f} tokens/s")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    engine.shutdown()
+    return 0
+
+
+def _compilation_summary(vllm_config: Any) -> dict[str, Any]:
+    cc = vllm_config.compilation_config
+    return {"mode": cc.mode.name, "backend": cc.backend, "freezing": cc.freezing,
+            "max_autotune": cc.max_autotune,
+            "coordinate_descent_tuning": cc.coordinate_descent_tuning,
+            "compile_sizes": list(cc.compile_sizes or [])}
