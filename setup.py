@@ -18,7 +18,8 @@ setup(
     description="A clean-room, vLLM-compatible LLM inference and serving engine built around "
     "optimization levels (-O0 .. -O3).",
     packages=find_packages(include=["vllm", "vllm.*"]),
-    package_data={"vllm": ["demo_model/*", "model_executor/kernels/*.cpp"]},
+    package_data={"vllm": ["demo_model/*", "model_executor/kernels/*.cpp",
+                           "attention/csrc/*.cpp"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

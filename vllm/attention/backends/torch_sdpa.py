@@ -1,11 +1,16 @@
-"""Paged attention in plain PyTorch: write K/V by slot index, gather by block table, SDPA.
+"""Paged attention on PyTorch: write K/V by slot index, then attend over the paged cache.
 
 Runs on any device torch runs on. KV cache of one layer: [2, num_blocks, block_size,
 num_kv_heads, head_size]. Block 0 is the engine's reserved dummy block: padding lanes write
 there and padded block-table entries point there; no live query ever reads it (every read is
 masked by the request's sequence length).
 
-Strategy (the op is opaque to Dynamo, so host-side lists may steer it):
+On the CPU, when the C++ kernel of cpu_paged_kernel.py is built, one call per layer computes
+every request (decode rows, fresh prompts and chunks with context) straight from the paged
+cache. Elsewhere, or when the kernel cannot serve the batch (a build failure, a KV cache dtype
+other than the query's, an FP8 output), the plain-torch path runs.
+
+Plain-torch strategy (the op is opaque to Dynamo, so host-side lists may steer it):
 - decode requests (one query token) are batched: their blocks are gathered into
   [B, max_len, kv_heads, head_size] and attended with a length mask in one SDPA call;
 - other requests run one SDPA call each: a fresh prompt (no cached context) attends to its
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vllm.attention.backends import cpu_paged_kernel
 from vllm.attention.backends.abstract import (
     AttentionBackend,
     AttentionCGSupport,
@@ -170,6 +176,18 @@ class TorchSDPAImpl(AttentionImpl):
         flat_cache[1].index_copy_(0, slots, v[:num_slots].to(kv_cache.dtype))
         if md.num_actual_tokens < num_tokens:
             out[md.num_actual_tokens:].zero_()
+
+        if (output_scale is None and query.device.type == "cpu"
+                and query.dtype == kv_cache.dtype
+                and query.dtype in cpu_paged_kernel.SUPPORTED_DTYPES
+                and md.block_table.dtype == torch.int32
+                and cpu_paged_kernel.cpu_paged_attention_available()):
+            requests = md._plans.get("all_requests")
+            if requests is None:
+                requests = md._plans["all_requests"] = torch.arange(md.num_reqs)
+            cpu_paged_kernel.paged_attention(q, kv_cache, md.block_table, md.seq_lens,
+                                             md.query_start_loc, requests, self.scale, out)
+            return output
 
         plan = md._plans.get(block_size)
         if plan is None:

@@ -1,0 +1,103 @@
+"""The CPU paged-attention kernel against its plain-torch reference: GQA, decode rows,
+fresh prompts and chunks with cached context in one batch, padded block-table rows pointing
+at the dummy block 0, strided query rows, and a subset of the requests."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm.attention.backends.cpu_paged_kernel import (
+    cpu_paged_attention_available,
+    paged_attention,
+    paged_attention_reference,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_paged_attention_available(),
+                                reason="the CPU paged-attention kernel could not be built")
+
+
+def make_batch(requests, heads, kv_heads, head_size, block_size, dtype, seed=0):
+    """requests: [(context_len, query_len)]. Returns the kernel's inputs; blocks are assigned
+    out of order, unused cache blocks and the dummy block 0 hold NaN (a read would show)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(q for _, q in requests)
+    needed = [-(-(c + q) // block_size) for c, q in requests]
+    width = max(needed) + 2  # padded rows: the tail entries point at block 0
+    num_blocks = sum(needed) + 3
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_size), float("nan"),
+                       dtype=dtype)
+    table = torch.zeros(len(requests), width, dtype=torch.int32)
+    used = 0
+    for r, (c, q) in enumerate(requests):
+        ids = order[used:used + needed[r]]
+        used += needed[r]
+        table[r, :needed[r]] = ids.to(torch.int32)
+        kv = torch.randn(2, c + q, kv_heads, head_size, generator=gen).to(dtype)
+        for p in range(c + q):
+            cache[:, ids[p // block_size], p % block_size] = kv[:, p]
+    # A wider projection output whose first H * D columns are the query: strided rows.
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_size, generator=gen).to(dtype)
+    query = qkv[:, :heads * head_size].view(num_tokens, heads, head_size)
+    starts = [0]
+    for _, q in requests:
+        starts.append(starts[-1] + q)
+    seq_lens = torch.tensor([c + q for c, q in requests], dtype=torch.int64)
+    return query, cache, table, seq_lens, torch.tensor(starts, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_size,block_size",
+                         [(4, 4, 16, 4), (14, 2, 64, 16), (8, 1, 32, 8)])
+def test_kernel_matches_reference(dtype, heads, kv_heads, head_size, block_size):
+    # decode rows, a fresh prompt, chunks with context (one longer than the kernel's
+    # 16-row chunk), a 1-token prompt, a block-aligned sequence
+    requests = [(9, 1), (0, 7), (5, 3), (30, 1), (13, 40), (0, 1), (2 * block_size - 1, 1)]
+    query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
+                                                       block_size, dtype)
+    scale = 1 / math.sqrt(head_size)
+    reqs = torch.arange(len(requests))
+    out = torch.full(query.shape, 7.0, dtype=dtype)
+    ref = torch.zeros(query.shape, dtype=dtype)
+    paged_attention(query, cache, table, seq_lens, starts, reqs, scale, out)
+    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, scale, ref)
+    assert not out.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_kernel_leaves_unlisted_requests_alone():
+    requests = [(3, 1), (0, 5), (6, 1), (4, 2)]
+    query, cache, table, seq_lens, starts = make_batch(requests, 4, 2, 16, 4, torch.float32)
+    reqs = torch.tensor([0, 2], dtype=torch.int64)
+    out = torch.full(query.shape, 7.0)
+    ref = torch.full(query.shape, 7.0)
+    paged_attention(query, cache, table, seq_lens, starts, reqs, 0.25, out)
+    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.25, ref)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (out[1:6] == 7.0).all() and (out[7:] == 7.0).all()
+
+
+def test_kernel_many_threads_and_long_sequences():
+    torch.manual_seed(1)
+    requests = [(int(c), 1) for c in torch.randint(1, 300, (24,))] + [(100, 33)]
+    query, cache, table, seq_lens, starts = make_batch(requests, 14, 2, 64, 16, torch.float32)
+    reqs = torch.arange(len(requests))
+    out, ref = torch.empty(query.shape), torch.empty(query.shape)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(threads, 2))
+        paged_attention(query, cache, table, seq_lens, starts, reqs, 0.125, out)
+    finally:
+        torch.set_num_threads(threads)
+    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_rejects_a_short_block_table():
+    query, cache, table, seq_lens, starts = make_batch([(20, 1)], 4, 4, 16, 4, torch.float32)
+    with pytest.raises(RuntimeError, match="blocks"):
+        paged_attention(query, cache, table[:, :2], seq_lens, starts, torch.tensor([0]), 0.25,
+                        torch.empty(query.shape))

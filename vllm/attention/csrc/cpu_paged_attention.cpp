@@ -1,0 +1,329 @@
+// Paged attention on the CPU that reads the KV cache in place (no gather, no padding).
+//
+//   torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
+//                                           query_start_loc, req_indices, scale, out)
+//
+// query  [T, H, D]   (rows may be strided; the head and channel dims must be dense)
+// kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, same dtype as query
+// block_table [R, max_blocks] int32, seq_lens [R] int64, query_start_loc [R + 1] int64
+// req_indices [n] int64: the requests to compute (others' rows of `out` are left alone)
+// out    [T, H, D]   written for the rows of the listed requests
+//
+// Request r owns query rows query_start_loc[r] .. query_start_loc[r+1]; its context is
+// seq_len - query_len cached tokens, and its query row i (absolute position context + i)
+// attends to cache positions 0 .. context + i. The new tokens' K/V must already be in the
+// cache. Only blocks holding visible positions are read, so the padding entries of a
+// block-table row (dummy block 0) are never touched.
+//
+// Work items are (request, KV head, chunk of up to kRowChunk query rows): the G = H / KVH
+// query heads that share a KV head are computed together, so each K/V row is read once per
+// item and used G times. Items are handed out longest first from an atomic counter inside
+// at::parallel_for (mixed lengths stay balanced). Each item runs an online softmax over
+// chunks of 16 keys in float32: the chunk's K is transposed once so that every row scores
+// 16 keys with vector FMAs, then the chunk's V rows are added with the row's weights.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowChunk = 16;  // query rows per work item
+constexpr int kKeys = 16;          // keys scored together (one 16-lane vector)
+
+// 16 float lanes (GCC/Clang vector extensions: AVX-512 registers, two AVX2 halves, ...).
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef float vf_u __attribute__((vector_size(64), aligned(4), may_alias));  // unaligned
+
+inline vf splat(float v) { return vf{} + v; }
+inline vf load_u(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
+inline void store_u(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < kKeys; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kKeys; ++i) s += v[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), about 2 ulp; exactly 0 below -87
+// (so masked -inf scores give 0). 2^n * e^y with n = round(x / ln 2), |y| <= ln 2 / 2, and a
+// degree-6 Taylor polynomial for e^y.
+inline vf exp_nonpositive(vf x) {
+  const vf t = x * 1.44269504088896341f;
+  const vf n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+  const vf y = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n * ln2 in two parts
+  vf p = splat(1.0f / 720.0f);
+  p = p * y + 1.0f / 120.0f;
+  p = p * y + 1.0f / 24.0f;
+  p = p * y + 1.0f / 6.0f;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  const vf scale = reinterpret_cast<const vf&>(bits);
+  return x < -87.0f ? splat(0.0f) : p * scale;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);
+}
+
+struct Item {
+  int64_t req;
+  int64_t kv_head;
+  int64_t row0;  // query rows [row0, row1) of the request
+  int64_t row1;
+  int64_t cost;
+};
+
+// Per-thread scratch, sized for one work item.
+struct Scratch {
+  std::vector<float> q, acc, kt, v, probs, m, l;
+  std::vector<int64_t> limit;
+  Scratch(int64_t rows, int64_t D)
+      : q(rows * D), acc(rows * D), kt(D * kKeys), v(kKeys * D), probs(rows * kKeys), m(rows),
+        l(rows), limit(rows) {}
+};
+
+// One chunk of up to kKeys keys at positions pos0 .. pos0 + nk - 1 (rows of K/V given by
+// k_rows / v_rows with stride `row_stride`), folded into every row's online softmax.
+template <typename T>
+inline void fold_keys(Scratch& s, int64_t n_rows, int64_t D, const T* k_rows, const T* v_rows,
+                      int64_t row_stride, int64_t pos0, int nk) {
+  // K^T of the chunk, [D][kKeys] (lanes past nk are zero and masked below)
+  float* kt = s.kt.data();
+  for (int j = 0; j < kKeys; ++j) {
+    if (j < nk) {
+      const T* k = k_rows + j * row_stride;
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeys + j] = to_float(k[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeys + j] = 0.0f;
+    }
+  }
+  const vf* ktv = reinterpret_cast<const vf*>(kt);
+  vi lane;
+  for (int j = 0; j < kKeys; ++j) lane[j] = j;
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t row = 0; row < n_rows; ++row) {
+    float* p = s.probs.data() + row * kKeys;
+    const int64_t visible = std::min<int64_t>(nk, s.limit[row] - pos0 + 1);
+    if (visible <= 0) {
+      store_u(p, splat(0.0f));
+      continue;
+    }
+    const float* q = s.q.data() + row * D;
+    vf a0{}, a1{}, a2{}, a3{};
+    int64_t d = 0;
+    for (; d + 4 <= D; d += 4) {
+      a0 += q[d] * ktv[d];
+      a1 += q[d + 1] * ktv[d + 1];
+      a2 += q[d + 2] * ktv[d + 2];
+      a3 += q[d + 3] * ktv[d + 3];
+    }
+    for (; d < D; ++d) a0 += q[d] * ktv[d];
+    vf score = (a0 + a1) + (a2 + a3);
+    score = lane < static_cast<int32_t>(visible) ? score : neg_inf;
+    const float new_max = std::max(s.m[row], hmax(score));
+    const float alpha = std::exp(s.m[row] - new_max);  // 0 on the first chunk
+    const vf e = exp_nonpositive(score - new_max);
+    store_u(p, e);
+    s.l[row] = s.l[row] * alpha + hsum(e);
+    s.m[row] = new_max;
+    if (alpha != 1.0f) {
+      float* acc = s.acc.data() + row * D;
+      for (int64_t c = 0; c < D; ++c) acc[c] *= alpha;
+    }
+  }
+  // acc += P V: V rows as float (read in place when the cache is float)
+  const float* v;
+  int64_t v_stride;
+  if constexpr (std::is_same_v<T, float>) {
+    v = v_rows;
+    v_stride = row_stride;
+  } else {
+    float* buf = s.v.data();
+    for (int j = 0; j < nk; ++j)
+      for (int64_t c = 0; c < D; ++c) buf[j * D + c] = to_float(v_rows[j * row_stride + c]);
+    v = buf;
+    v_stride = D;
+  }
+  for (int64_t row = 0; row < n_rows; ++row) {
+    const float* p = s.probs.data() + row * kKeys;
+    float* acc = s.acc.data() + row * D;
+    int64_t c = 0;
+    for (; c + kKeys <= D; c += kKeys) {
+      vf a = load_u(acc + c);
+      for (int j = 0; j < nk; ++j) a += p[j] * load_u(v + j * v_stride + c);
+      store_u(acc + c, a);
+    }
+    for (; c < D; ++c) {
+      float a = acc[c];
+      for (int j = 0; j < nk; ++j) a += p[j] * v[j * v_stride + c];
+      acc[c] = a;
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+         const at::Tensor& req_indices, double scale_d, at::Tensor& out) {
+  const int64_t H = query.size(1), D = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
+  const int64_t G = H / KVH;
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const int64_t c_pos = KVH * D;           // cache stride of one position
+  const int64_t c_blk = BS * c_pos;         // of one block
+  const int64_t c_kv = num_blocks * c_blk;  // K -> V
+  const int64_t bt_row = block_table.stride(0);
+  const float scale = static_cast<float>(scale_d);
+
+  const T* q_ptr = query.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  const int64_t* reqs = req_indices.data_ptr<int64_t>();
+  const int64_t n_reqs = req_indices.numel();
+
+  std::vector<Item> items;
+  items.reserve(n_reqs * KVH);
+  for (int64_t i = 0; i < n_reqs; ++i) {
+    const int64_t r = reqs[i];
+    const int64_t ql = starts[r + 1] - starts[r];
+    const int64_t ctx = lens[r] - ql;
+    TORCH_CHECK(ql >= 0 && ctx >= 0, "request ", r, ": query_len ", ql, " > seq_len ", lens[r]);
+    for (int64_t row0 = 0; row0 < ql; row0 += kRowChunk) {
+      const int64_t row1 = std::min(ql, row0 + kRowChunk);
+      const int64_t keys = ctx + row1;
+      TORCH_CHECK((keys + BS - 1) / BS <= block_table.size(1), "request ", r, " needs ",
+                  (keys + BS - 1) / BS, " blocks; the block table has ", block_table.size(1));
+      for (int64_t g = 0; g < KVH; ++g) items.push_back({r, g, row0, row1, keys * (row1 - row0)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  if (n_items == 0) return;
+
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(kRowChunk * G, D);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t idx = next.fetch_add(1); idx < n_items; idx = next.fetch_add(1)) {
+        const Item& it = items[idx];
+        const int64_t ql = starts[it.req + 1] - starts[it.req];
+        const int64_t ctx = lens[it.req] - ql;
+        const int64_t n_rows = (it.row1 - it.row0) * G;
+        // row = t * G + j: query row it.row0 + t, head it.kv_head * G + j
+        for (int64_t t = 0; t < it.row1 - it.row0; ++t) {
+          const int64_t tok = starts[it.req] + it.row0 + t;
+          for (int64_t j = 0; j < G; ++j) {
+            const int64_t row = t * G + j;
+            const T* src = q_ptr + tok * q_tok + (it.kv_head * G + j) * q_head;
+            float* dst = s.q.data() + row * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+            s.limit[row] = ctx + it.row0 + t;  // last visible position
+            s.m[row] = -std::numeric_limits<float>::infinity();
+            s.l[row] = 0.0f;
+          }
+        }
+        std::fill(s.acc.begin(), s.acc.begin() + n_rows * D, 0.0f);
+        const int64_t n_keys = ctx + it.row1;
+        const int32_t* blocks = table + it.req * bt_row;
+        for (int64_t b = 0; b * BS < n_keys; ++b) {
+          const int64_t block = blocks[b];
+          TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+          const T* k_base = cache + block * c_blk + it.kv_head * D;
+          const int64_t in_block = std::min(BS, n_keys - b * BS);
+          for (int64_t j0 = 0; j0 < in_block; j0 += kKeys) {
+            const int nk = static_cast<int>(std::min<int64_t>(kKeys, in_block - j0));
+            fold_keys<T>(s, n_rows, D, k_base + j0 * c_pos, k_base + c_kv + j0 * c_pos, c_pos,
+                         b * BS + j0, nk);
+          }
+        }
+        for (int64_t t = 0; t < it.row1 - it.row0; ++t) {
+          const int64_t tok = starts[it.req] + it.row0 + t;
+          for (int64_t j = 0; j < G; ++j) {
+            const int64_t row = t * G + j;
+            const float inv = s.l[row] > 0.0f ? 1.0f / s.l[row] : 0.0f;
+            const float* a = s.acc.data() + row * D;
+            T* dst = o_ptr + tok * o_tok + (it.kv_head * G + j) * o_head;
+            for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(a[d] * inv);
+          }
+        }
+      }
+    }
+  });
+}
+
+void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, const at::Tensor& req_indices,
+                     double scale, at::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "query, kv_cache and out must share a dtype");
+  TORCH_CHECK(query.size(2) == kv_cache.size(4) && out.sizes() == query.sizes(),
+              "head sizes differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "the channel dim must be dense");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1,
+              "block_table must be a row-dense int32 [R, max_blocks] tensor");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  query_start_loc.scalar_type() == at::kLong &&
+                  query_start_loc.is_contiguous() && req_indices.scalar_type() == at::kLong &&
+                  req_indices.is_contiguous(),
+              "seq_lens, query_start_loc and req_indices must be contiguous int64");
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      run<float>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices, scale,
+                 out);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
+                         scale, out);
+      break;
+    case at::kHalf:
+      run<c10::Half>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
+                     scale, out);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vllm_cpu_attn, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, Tensor req_indices, float scale, Tensor(a!) out) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}
