@@ -1,0 +1,200 @@
+"""The trade-off the levels exist for: start-up time against decode speed, per level.
+
+For each model (a Qwen2.5-0.5B-shaped random-weight checkpoint and the built-in demo model)
+and each level -O0..-O3, in fresh processes: time to ready with an empty compile cache (cold)
+and with the cache the cold run filled (warm), then decode tokens/s at batch 1 and batch 16
+(the warm process measures). Batch-1 decode is also given as a fraction of the memory-
+bandwidth roofline: bytes read per token (weights + KV) divided by the read bandwidth this
+script measures on the machine. Writes markdown, JSON and a PNG plot to benchmarks/results/.
+
+    python benchmarks/bench_levels.py --models demo qwen2.5-0.5b --max-tokens 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+_RESULT = "LEVEL_RESULT "
+
+
+def measure_bandwidth_gbs(threads: int) -> float:
+    """Read bandwidth: best of several sums over a 512 MiB float32 tensor."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(128 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def bytes_per_token(model, dtype_size: int, context: int, kv_per_token: int) -> float:
+    """Weights read for one decode step (the embedding table is only indexed, unless tied, when
+    it is read as the LM head) plus the KV cache read for `context` tokens."""
+    total = sum(p.numel() for p in model.parameters()) * dtype_size
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    lm_head = getattr(model, "lm_head", None)
+    tied = lm_head is not None and embed is not None and lm_head.weight is embed.weight
+    if embed is not None and not tied:
+        total -= embed.weight.numel() * dtype_size
+    return total + context * kv_per_token
+
+
+def worker(args) -> None:
+    start_process = float(os.environ["BENCH_SPAWN_TIME"])
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    llm = LLM(model=args.path, optimization_level=args.level, dtype=args.dtype,
+              max_model_len=512, kv_cache_memory="1GiB", max_num_seqs=16)
+    ready = time.time()
+    result = {"engine_startup_s": ready - t0, "process_to_ready_s": ready - start_process}
+    if args.measure:
+        engine = llm.llm_engine
+        cfg = engine.vllm_config.model_config
+        vocab = cfg.get_vocab_size()
+
+        def timed(batch: int, n: int) -> float:
+            lengths = [32] if batch == 1 else [16 + (112 * i) // (batch - 1) for i in range(batch)]
+            prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5
+                                             for j in range(m)]} for i, m in enumerate(lengths)]
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            best = float("inf")
+            for _ in range(args.repeats):
+                engine.reset_prefix_cache()  # time the prefill too, not cache hits
+                begin = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                best = min(best, time.perf_counter() - begin)
+            return best
+
+        timed(1, 2)
+        timed(16, 2)  # warm-up (compiles nothing new: the engine compiled at start-up)
+        n = args.max_tokens
+        result["decode_b1_tok_s"] = (n - 1) / max(timed(1, n) - timed(1, 1), 1e-9)
+        result["total_b16_tok_s"] = 16 * n / timed(16, n)
+        model = engine.executor.model
+        if model is not None:
+            size = torch.tensor([], dtype=cfg.torch_dtype).element_size()
+            kv = 2 * cfg.get_num_layers() * cfg.get_num_kv_heads() * cfg.get_head_size() * size
+            result["bytes_per_token"] = bytes_per_token(model, size, 32 + n // 2, kv)
+    print(_RESULT + json.dumps(result), flush=True)
+
+
+def run_case(args, path: str, level: int, cache_root: str, measure: bool) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--path", path, "--level", str(level),
+           "--dtype", args.dtype, "--threads", str(args.threads), "--max-tokens",
+           str(args.max_tokens), "--repeats", str(args.repeats)]
+    cmd += ["--measure"] if measure else []
+    env = {**os.environ, "VLLM_CACHE_ROOT": cache_root,
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_root, "inductor"),
+           "VLLM_LOGGING_LEVEL": "WARNING", "BENCH_SPAWN_TIME": repr(time.time())}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [x for x in out.stdout.splitlines() if x.startswith(_RESULT)]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"level {level} on {path} failed:\n{out.stderr[-4000:]}")
+    return json.loads(lines[0][len(_RESULT):])
+
+
+def plot(rows: list[dict], out_png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in (r for r in rows if r["model"] == model):
+            for kind, marker in (("cold", "o"), ("warm", "s")):
+                ax.scatter(r[f"{kind}_start_s"], r["decode_b1_tok_s"], marker=marker,
+                           s=60, label=f"-O{r['level']} {kind}")
+                ax.annotate(f"O{r['level']}", (r[f"{kind}_start_s"], r["decode_b1_tok_s"]),
+                            textcoords="offset points", xytext=(5, 5))
+        ax.set_title(f"{model}: start-up vs batch-1 decode")
+        ax.set_xlabel("time to ready (s, fresh process)")
+        ax.set_ylabel("decode tokens/s (batch 1)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["demo", "qwen2.5-0.5b"])
+    parser.add_argument("--levels", nargs="+", type=int, default=[0, 1, 2, 3])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ckpt-root", default=os.path.join(HERE, "results", "tmp"))
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "levels"))
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--measure", action="store_true")
+    parser.add_argument("--path")
+    parser.add_argument("--level", type=int)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    from checkpoints import write_checkpoint
+
+    bandwidth = measure_bandwidth_gbs(args.threads)
+    rows = []
+    for name in args.models:
+        path = "demo" if name == "demo" else write_checkpoint(name, args.ckpt_root)
+        for level in args.levels:
+            cache_root = tempfile.mkdtemp(prefix=f"bench_levels_O{level}_")
+            try:
+                cold = run_case(args, path, level, cache_root, measure=False)
+                warm = run_case(args, path, level, cache_root, measure=True)
+            finally:
+                shutil.rmtree(cache_root, ignore_errors=True)
+            row = {"model": name, "level": level, "cold_start_s": cold["process_to_ready_s"],
+                   "warm_start_s": warm["process_to_ready_s"],
+                   "decode_b1_tok_s": warm["decode_b1_tok_s"],
+                   "total_b16_tok_s": warm["total_b16_tok_s"]}
+            if "bytes_per_token" in warm:
+                roofline = bandwidth * 1e9 / warm["bytes_per_token"]
+                row["roofline_b1_tok_s"] = roofline
+                row["roofline_fraction"] = warm["decode_b1_tok_s"] / roofline
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = [f"{args.dtype}, {args.max_tokens} output tokens, {args.threads} threads; measured "
+             f"read bandwidth {bandwidth:.1f} GB/s. Start-up = fresh process to ready.", "",
+             "| model | level | cold start (s) | warm start (s) | decode b1 (tok/s) | "
+             "b1 % of roofline | b16 total (tok/s) | b1 vs O0 | b16 vs O0 | warm start vs O0 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(b for b in rows if b["model"] == r["model"] and b["level"] == min(args.levels))
+        frac = f"{100 * r['roofline_fraction']:.0f}%" if "roofline_fraction" in r else "-"
+        lines.append(
+            f"| {r['model']} | -O{r['level']} | {r['cold_start_s']:.1f} | {r['warm_start_s']:.1f} "
+            f"| {r['decode_b1_tok_s']:.1f} | {frac} | {r['total_b16_tok_s']:.1f} | "
+            f"{r['decode_b1_tok_s'] / base['decode_b1_tok_s']:.2f}x | "
+            f"{r['total_b16_tok_s'] / base['total_b16_tok_s']:.2f}x | "
+            f"{r['warm_start_s'] / base['warm_start_s']:.2f}x |")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(args.out + ".json", "w") as f:
+        json.dump({"bandwidth_gbs": bandwidth, "dtype": args.dtype, "rows": rows}, f, indent=1)
+    plot(rows, args.out + ".png")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
