@@ -177,16 +177,20 @@ class TorchSDPAImpl(AttentionImpl):
         if md.num_actual_tokens < num_tokens:
             out[md.num_actual_tokens:].zero_()
 
-        if (output_scale is None and query.device.type == "cpu"
-                and query.dtype == kv_cache.dtype
+        if (query.device.type == "cpu" and query.dtype == kv_cache.dtype
                 and query.dtype in cpu_paged_kernel.SUPPORTED_DTYPES
                 and md.block_table.dtype == torch.int32
                 and cpu_paged_kernel.cpu_paged_attention_available()):
             requests = md._plans.get("all_requests")
             if requests is None:
                 requests = md._plans["all_requests"] = torch.arange(md.num_reqs)
+            # An FP8 output is quantized from a result in the query's dtype, as the unfused
+            # graph (attention, then the quant op) would compute it.
+            result = out if output_scale is None else torch.zeros_like(q)
             cpu_paged_kernel.paged_attention(q, kv_cache, md.block_table, md.seq_lens,
-                                             md.query_start_loc, requests, self.scale, out)
+                                             md.query_start_loc, requests, self.scale, result)
+            if output_scale is not None:
+                out.copy_(self._to_output(result))
             return output
 
         plan = md._plans.get(block_size)
