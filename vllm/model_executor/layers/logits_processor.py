@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from vllm.distributed import tensor_model_parallel_all_gather
+from vllm.model_executor.layers.linear import dispatch_linear
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 
@@ -20,7 +20,7 @@ class LogitsProcessor(nn.Module):
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> logits [N, vocab_size] in float32."""
-        logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)
+        logits = dispatch_linear(hidden_states, lm_head.weight, lm_head.bias)
         if lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         logits = logits[..., :self.vocab_size].float()
