@@ -15,6 +15,7 @@ from typing import Any
 
 BENCHMARKS: dict[str, str] = {
     "serve": "vllm.benchmarks.serve",
+    "startup": "vllm.benchmarks.startup",
     "latency": "vllm.benchmarks.latency",
 }
 

@@ -1,0 +1,67 @@
+"""`vllm bench startup` and `vllm bench latency` run end to end with minimal settings and
+write their JSON (fresh processes; marked slow)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+try:
+    from tests.model_executor.hf_checkpoints import make_llama
+except ImportError:  # tests/ itself on sys.path
+    from model_executor.hf_checkpoints import make_llama
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return make_llama(tmp_path_factory.mktemp("bench") / "llama")
+
+
+def vllm(*argv: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", *argv],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_bench_commands_are_registered():
+    from vllm.entrypoints.cli.main import build_parser
+
+    parser = build_parser()
+    for name in ("startup", "latency"):
+        args = parser.parse_args(["bench", name, "--model", "m", "-O1"])
+        assert args.bench_type == name and int(args.optimization_level) == 1
+
+
+@pytest.mark.slow
+def test_bench_startup_cold_and_warm(llama, tmp_path):
+    out_json = tmp_path / "startup.json"
+    stdout = vllm("bench", "startup", "--model", llama, "-O0", "--num-runs", "1",
+                  "--max-model-len", "64", "--kv-cache-memory", "16MiB",
+                  "--output-json", str(out_json))
+    result = json.loads(out_json.read_text())
+    [level] = result["levels"]
+    assert level["level"] == 0
+    for kind in ("cold", "warm"):
+        stats = level[kind]["engine_seconds"]
+        assert 0 < stats["min"] <= stats["median"] <= stats["max"]
+        assert level[kind]["process_seconds"]["median"] > stats["median"]
+        assert level[kind]["phases"]["weight loading"] > 0
+    assert "O0     cold" in stdout and "O0     warm" in stdout
+
+
+@pytest.mark.slow
+def test_bench_latency(llama, tmp_path):
+    out_json = tmp_path / "latency.json"
+    stdout = vllm("bench", "latency", "--model", llama, "-O0", "--batch-size", "2",
+                  "--input-len", "8", "--output-len", "4", "--num-iters", "2",
+                  "--num-iters-warmup", "1", "--max-model-len", "64",
+                  "--kv-cache-memory", "16MiB", "--output-json", str(out_json))
+    result = json.loads(out_json.read_text())
+    assert result["optimization_level"] == 0 and result["batch_size"] == 2
+    assert result["prefill_seconds"]["median"] > 0
+    assert result["decode_step_seconds"]["median"] > 0
+    assert result["decode_tokens_per_second"] > 0
+    assert "decode step" in stdout

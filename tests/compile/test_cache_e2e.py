@@ -1,0 +1,130 @@
+"""The compile cache through the engine, in new processes (Inductor; the starts are slow).
+
+A second start with the same config loads every artifact and runs Inductor zero times;
+changing only the KV cache size still hits; changing a graph-relevant option (dtype, a pass
+flag) is another key (a miss); a corrupt entry is recompiled; two processes compiling the same
+key at once both start and produce the same tokens. The cache lives under a tmp
+`VLLM_CACHE_ROOT`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+try:
+    from tests.model_executor.hf_checkpoints import make_llama
+except ImportError:  # tests/ itself on sys.path
+    from model_executor.hf_checkpoints import make_llama
+
+from vllm.compilation.cache import compute_cache_factors, compute_cache_key
+from vllm.compilation.pass_manager import PostGradPassManager
+from vllm.engine.arg_utils import EngineArgs
+
+NUM_PIECES = 3  # 2 attention layers: 3 compiled pieces
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.compilation.counter import compilation_counter as c
+    options = json.loads(sys.argv[2])
+    llm = LLM(model=sys.argv[1], max_model_len=64, max_num_batched_tokens=32, **options)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [3]}],
+                       SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5),
+                       use_tqdm=False)
+    print("RESULT " + json.dumps({
+        "tokens": [o.outputs[0].token_ids for o in out], "inductor": c.num_inductor_compiles,
+        "hits": c.num_cache_hits, "misses": c.num_cache_misses,
+        "corrupt": c.num_cache_corrupt, "graphs": c.num_graphs_seen,
+        "phases": llm.llm_engine.startup_phases}))
+""")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return make_llama(tmp_path_factory.mktemp("cache_e2e") / "llama")
+
+
+def start(tmp_path, model: str, **options) -> subprocess.Popen:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    options.setdefault("optimization_level", 2)
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "root"),
+               VLLM_TEST_FAIL_ON_RECOMPILE="1")
+    env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+    return subprocess.Popen([sys.executable, str(script), model, json.dumps(options)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen) -> tuple[dict, str]:
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+    line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), err
+
+
+def cache_dir_in(log: str) -> str:
+    return log.split("compile cache: using ", 1)[1].split()[0]
+
+
+def same_key_or_skip(first: str, later: str) -> None:
+    """The key covers our source: an edit of vllm/ between the processes (someone working in
+    the same checkout) rightly moves the cache to a new directory."""
+    if cache_dir_in(first) != cache_dir_in(later):
+        pytest.skip("the package source changed while the test ran (new cache key)")
+
+
+def key(**engine_args) -> str:
+    config = EngineArgs(model="demo", optimization_level=2, **engine_args).create_engine_config()
+    uuid = PostGradPassManager().configure(config).uuid()
+    return compute_cache_key(compute_cache_factors(config, [], uuid))
+
+
+def test_key_changes_with_the_graph_not_with_memory():
+    base = key()
+    assert key(kv_cache_memory="64MiB") == base
+    assert key(kv_cache_memory="1GiB", num_gpu_blocks_override=100) == base
+    assert key(dtype="bfloat16") != base
+    assert key(compilation_config={"pass_config": {"eliminate_noops": False}}) != base
+    assert key(compilation_config={"max_autotune": True}) != base
+
+
+@pytest.mark.slow
+def test_warm_start_in_new_processes(tmp_path, llama):
+    # Two processes start at once on an empty cache: both succeed; each piece is compiled
+    # once between them (the second waits on the lock, then loads).
+    (a, err_a), (b, err_b) = map(finish, [start(tmp_path, llama), start(tmp_path, llama)])
+    assert a["inductor"] + b["inductor"] == NUM_PIECES
+    assert a["tokens"] == b["tokens"]
+    assert "compile cache: miss" in err_a + err_b
+    assert a["graphs"] == b["graphs"] == 1
+
+    # Same config, other KV cache size: a hit, Inductor never runs; a pass flag changed:
+    # another key, everything compiled.
+    warm = start(tmp_path, llama, kv_cache_memory="32MiB")
+    other = start(tmp_path, llama,
+                  compilation_config={"pass_config": {"eliminate_noops": False}})
+    (c, err_c), (d, err_d) = finish(warm), finish(other)
+    same_key_or_skip(err_a, err_c)
+    assert (c["inductor"], c["hits"], c["misses"]) == (0, NUM_PIECES, 0), err_c[-3000:]
+    assert "compile cache: hit" in err_c and cache_dir_in(err_a) in err_c
+    assert c["phases"]["inductor compilation"] < a["phases"]["inductor compilation"]
+    assert c["tokens"] == a["tokens"]
+    assert cache_dir_in(err_d) != cache_dir_in(err_a)
+    assert (d["hits"], d["misses"]) == (0, NUM_PIECES)
+    assert d["tokens"] == a["tokens"]
+
+    # A damaged artifact is detected, logged and recompiled; the others still load.
+    directory = cache_dir_in(err_a)
+    artifact = sorted(n for n in os.listdir(directory) if n.endswith(".bin"))[0]
+    with open(os.path.join(directory, artifact), "r+b") as f:
+        f.truncate(64)
+    e, err_e = finish(start(tmp_path, llama))
+    same_key_or_skip(err_a, err_e)
+    assert (e["inductor"], e["hits"], e["corrupt"]) == (1, NUM_PIECES - 1, 1), err_e[-3000:]
+    assert f"corrupt entry {artifact}" in err_e
+    assert e["tokens"] == a["tokens"]
