@@ -7,8 +7,9 @@ call at 1, 16 and 128 tokens.
 
 Part 2 (model): a random-weight FP8 Llama (static per-tensor scales, so all three fusions
 apply) at -O2 with every fusion on, with each fusion off in turn, and with all off; and the
-same weights as a bfloat16 checkpoint at -O2. Decode tokens/s at batch 1 and 16, each
-configuration in a fresh process, best of several repetitions (the machine is shared).
+same weights as a bfloat16 checkpoint at -O2. Decode tokens/s at batch 1 and 16: every
+configuration is built first, then measured in interleaved rounds (the machine is shared, so
+each sees the same load), best of the rounds.
 
 Writes benchmarks/results/fp8_fusions.md and .json.
 
@@ -22,7 +23,6 @@ import functools
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -125,6 +125,45 @@ def bench_ops(hidden: int, tokens: list[int], dtype_name: str, steps: int = 8) -
     return rows
 
 
+def bench_gemm(size: int, tokens: list[int]) -> list[dict]:
+    """The FP8 GEMM on this CPU: torch._scaled_mm against what Fp8LinearMethod does here
+    (the quantized activation times the weight dequantized once to bf16) and a bf16 GEMM."""
+    import torch
+    import torch.nn.functional as F
+
+    w = torch.randn(size, size) * 0.05
+    w_scale = w.abs().amax() / 448
+    w_q = (w / w_scale).to(torch.float8_e4m3fn)
+    w_deq = (w_q.float() * w_scale).to(torch.bfloat16)
+    rows = []
+    for n in tokens:
+        x = torch.randn(n, size)
+        x_scale = x.abs().amax() / 448
+        q = (x / x_scale).to(torch.float8_e4m3fn)
+        calls = 5
+        x_bf16, s_bf16 = x.to(torch.bfloat16), x_scale.to(torch.bfloat16)
+        row = {"tokens": n, "size": size,
+               "dequant_bf16_us": _best_us(functools.partial(_dequant_mm, q, w_deq, s_bf16),
+                                           calls),
+               "bf16_us": _best_us(functools.partial(F.linear, x_bf16, w_deq), calls)}
+        try:
+            row["scaled_mm_us"] = _best_us(functools.partial(
+                torch._scaled_mm, q, w_q.t(), scale_a=x_scale, scale_b=w_scale,
+                out_dtype=torch.bfloat16), calls, repeats=2)
+        except (RuntimeError, NotImplementedError):
+            row["scaled_mm_us"] = None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _dequant_mm(q, w_deq, scale):
+    import torch
+    import torch.nn.functional as F
+
+    return F.linear(q.to(torch.bfloat16), w_deq) * scale
+
+
 # ---- part 2: model -----------------------------------------------------------------------------
 def _ensure_compiled_llama() -> None:
     from vllm.compilation.decorators import support_torch_compile
@@ -134,85 +173,80 @@ def _ensure_compiled_llama() -> None:
         support_torch_compile(LlamaModel)
 
 
-def worker(spec: dict) -> dict:
-    """One configuration, in its own process: decode tokens/s at each batch size."""
+def bench_model(args: argparse.Namespace) -> list[dict]:
+    """Every configuration is built (and compiled) in this process first; then the
+    measurements are interleaved, round after round (config A, B, ..., then A, B, ...
+    again), so every configuration sees the same machine load. Best per configuration."""
     import torch
 
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
-    _ensure_compiled_llama()
-    from vllm import LLM, SamplingParams
-    from vllm.compilation.passes.matcher_utils import fusion_match_counter
-
-    start = time.perf_counter()
-    llm = LLM(model=spec["path"], dtype=spec["dtype"], optimization_level=2,
-              max_model_len=512, max_num_seqs=max(spec["batches"]),
-              compilation_config=spec["compilation_config"])
-    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
-    result = {"label": spec["label"], "decode_tok_s": {}, "startup_s": 0.0}
-
-    def run(batch: int, n: int) -> float:
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5
-                                         for j in range(16)]} for i in range(batch)]
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t
-
-    run(max(spec["batches"]), 4)  # compile and warm up
-    result["startup_s"] = time.perf_counter() - start
-    n = spec["decode_tokens"]
-    for batch in spec["batches"]:
-        run(batch, 2)  # warm this batch size
-        # Best of each separately: the machine is shared, a repetition may be descheduled.
-        full = min(run(batch, n + 1) for _ in range(spec["repeats"]))
-        prefill = min(run(batch, 1) for _ in range(spec["repeats"]))
-        result["decode_tok_s"][str(batch)] = batch * n / max(full - prefill, 1e-9)
-    result["fusion_matches"] = dict(fusion_match_counter)
-    return result
-
-
-def bench_model(args: argparse.Namespace) -> list[dict]:
     from tests.quantization.fp8_checkpoints import make_fp8_llama
+
+    torch._dynamo.config.recompile_limit = 64  # one compiled forward per configuration
+    _ensure_compiled_llama()
+    from vllm import LLM
+    from vllm.compilation.passes.matcher_utils import fusion_match_counter
 
     root = args.checkpoint_dir or tempfile.mkdtemp(prefix="fp8_bench_")
     path = os.path.join(root, "fp8-static")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         make_fp8_llama(path, layout="fp8", weights="tensor", activations="static",
                        dtype="bfloat16", **SHAPE)
-    dequant = path + "-dequant"
     backend = {"backend": "inductor"}
-    off = dict.fromkeys(FUSION_FLAGS, False)
     configs = [("FP8, all fusions (default -O2)", path, backend)]
     for flag in FUSION_FLAGS:
         configs.append((f"FP8, without {flag}", path, {**backend, "pass_config": {flag: False}}))
-    configs.append(("FP8, no fusions", path, {**backend, "pass_config": off}))
-    configs.append(("bfloat16 (same weights, dequantized)", dequant, backend))
-    best: dict[str, dict] = {}
-    for _ in range(args.rounds):  # rounds interleave the configurations (load drifts)
-        for label, model_path, cc in configs:
-            spec = {"label": label, "path": model_path, "dtype": args.dtype,
-                    "compilation_config": cc, "batches": args.batches,
-                    "decode_tokens": args.decode_tokens, "repeats": args.repeats,
-                    "threads": args.threads}
-            env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING",
-                       PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                                  capture_output=True, text=True, env=env, cwd=REPO)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"{label} failed:\n{proc.stderr[-4000:]}")
-            result = json.loads(lines[-1])
-            print(json.dumps(result), flush=True)
-            kept = best.setdefault(label, result)
-            for batch, value in result["decode_tok_s"].items():
-                kept["decode_tok_s"][batch] = max(kept["decode_tok_s"][batch], value)
-            kept["startup_s"] = min(kept["startup_s"], result["startup_s"])
-    return [best[label] for label, _, _ in configs]
+    configs.append(("FP8, no fusions", path,
+                    {**backend, "pass_config": dict.fromkeys(FUSION_FLAGS, False)}))
+    configs.append(("bfloat16 (same weights, dequantized)", path + "-dequant", backend))
+
+    engines, results = [], []
+    for label, model_path, cc in configs:
+        before = dict(fusion_match_counter)
+        start = time.perf_counter()
+        llm = LLM(model=model_path, dtype=args.dtype, optimization_level=2, max_model_len=512,
+                  max_num_seqs=max(args.batches), compilation_config=cc)
+        vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+        _generate(llm, vocab, max(args.batches), 4)  # compile and warm up
+        for batch in args.batches:
+            _generate(llm, vocab, batch, 2)
+        matches = {k: v - before.get(k, 0) for k, v in fusion_match_counter.items()
+                   if v - before.get(k, 0)}
+        engines.append((llm, vocab))
+        results.append({"label": label, "startup_s": time.perf_counter() - start,
+                        "fusion_matches": matches, "full_s": {}, "prefill_s": {}})
+        print(f"built {label}: {matches}", flush=True)
+    n = args.decode_tokens
+    for round_index in range(args.rounds):
+        for (llm, vocab), result in zip(engines, results):
+            for batch in args.batches:
+                key = str(batch)
+                full = min(_generate(llm, vocab, batch, n + 1) for _ in range(args.repeats))
+                prefill = min(_generate(llm, vocab, batch, 1) for _ in range(args.repeats))
+                result["full_s"][key] = min(result["full_s"].get(key, full), full)
+                result["prefill_s"][key] = min(result["prefill_s"].get(key, prefill), prefill)
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    for result in results:
+        result["decode_tok_s"] = {
+            key: int(key) * n / max(result["full_s"][key] - result["prefill_s"][key], 1e-9)
+            for key in result["full_s"]}
+        print(json.dumps(result), flush=True)
+    return results
+
+
+def _generate(llm, vocab: int, batch: int, max_tokens: int) -> float:
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(16)]}
+               for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
 
 
 # ---- report --------------------------------------------------------------------------------------
-def write_report(ops: list[dict], model: list[dict], args: argparse.Namespace) -> None:
+def write_report(ops: list[dict], gemm: list[dict], model: list[dict],
+                 args: argparse.Namespace) -> None:
     import torch
 
     out_dir = os.path.join(HERE, "results")
@@ -238,13 +272,25 @@ def write_report(ops: list[dict], model: list[dict], args: argparse.Namespace) -
                          f"{r['inductor_plain_us']:.1f} | {r['eager_plain_us']:.1f} | "
                          f"{r['speedup_vs_inductor']:.2f}x | {r['speedup_vs_eager']:.2f}x |")
         lines.append("")
+    if gemm:
+        lines += ["## FP8 GEMM on this CPU (microseconds, lower is better)", "",
+                  f"{gemm[0]['size']}x{gemm[0]['size']} weight. Fp8LinearMethod uses the "
+                  "dequantized path on the CPU.", "",
+                  "| tokens | torch._scaled_mm | FP8 activations x dequantized bf16 weight | "
+                  "bf16 GEMM |", "|---:|---:|---:|---:|"]
+        for r in gemm:
+            mm = f"{r['scaled_mm_us']:.0f}" if r["scaled_mm_us"] is not None else "fails"
+            lines.append(f"| {r['tokens']} | {mm} | {r['dequant_bf16_us']:.0f} | "
+                         f"{r['bf16_us']:.0f} |")
+        lines.append("")
     if model:
         batches = [str(b) for b in args.batches]
         base = model[0]["decode_tok_s"]
         lines += ["## FP8 Llama at -O2 (Inductor), decode tokens/s (higher is better)", "",
                   f"Shape: {SHAPE}; {args.dtype}; static per-tensor FP8 scales; "
-                  f"{args.threads or 'default'} torch thread(s); best of {args.rounds} rounds "
-                  f"x {args.repeats} repetitions.", "",
+                  f"{args.threads or 'default'} torch thread(s); every configuration built "
+                  f"first, then measured in {args.rounds} interleaved rounds x {args.repeats} "
+                  "repetitions, best kept.", "",
                   "| configuration | " + " | ".join(f"batch {b}" for b in batches)
                   + " | " + " | ".join(f"vs default, batch {b}" for b in batches)
                   + " | start-up s | fusion matches |",
@@ -260,14 +306,13 @@ def write_report(ops: list[dict], model: list[dict], args: argparse.Namespace) -
     with open(os.path.join(out_dir, "fp8_fusions.md"), "w") as f:
         f.write("\n".join(lines))
     with open(os.path.join(out_dir, "fp8_fusions.json"), "w") as f:
-        json.dump({"meta": meta, "ops": ops, "model": model}, f, indent=2)
+        json.dump({"meta": meta, "ops": ops, "gemm": gemm, "model": model}, f, indent=2)
     print("\n".join(lines))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--skip-ops", action="store_true")
     parser.add_argument("--skip-model", action="store_true")
     parser.add_argument("--op-hidden", type=int, default=2048)
@@ -279,21 +324,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per worker (0: torch's default); 1 is steadier "
-                             "on a shared machine")
+                        help="torch threads (0: torch's default); 1 is steadier on a shared "
+                             "machine")
     parser.add_argument("--checkpoint-dir", default=None)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(json.loads(args.worker))), flush=True)
-        return
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     ops = [] if args.skip_ops else [row for dtype in args.op_dtypes
                                     for row in bench_ops(args.op_hidden, args.op_tokens, dtype)]
+    gemm = [] if args.skip_ops else bench_gemm(2048, [1, 16])
     model = [] if args.skip_model else bench_model(args)
-    write_report(ops, model, args)
+    write_report(ops, gemm, model, args)
 
 
 if __name__ == "__main__":
