@@ -19,7 +19,7 @@ setup(
     "optimization levels (-O0 .. -O3).",
     packages=find_packages(include=["vllm", "vllm.*"]),
     package_data={"vllm": ["demo_model/*", "model_executor/kernels/*.cpp",
-                           "attention/csrc/*.cpp"]},
+                           "attention/csrc/*.cpp", "model_executor/layers/csrc/*.cpp"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

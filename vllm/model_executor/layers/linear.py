@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
@@ -23,40 +22,7 @@ from vllm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-
-_ONEDNN_MIN_WEIGHT_NUMEL = 1 << 23
-_onednn_linear: bool | None = None
-
-
-def _onednn_linear_enabled() -> bool:
-    global _onednn_linear
-    if _onednn_linear is None:
-        import os
-
-        _onednn_linear = (torch.backends.mkldnn.is_available()
-                          and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                          and os.environ.get("VLLM_CPU_ONEDNN_LINEAR", "1").lower()
-                          not in ("0", "false", "off"))
-    return _onednn_linear
-
-
-def dispatch_linear(x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; eager float32 products on the CPU go to oneDNN instead.
-
-    On the dev machines torch's float32 `F.linear` (MKL sgemm) reaches about half of what
-    oneDNN's `mkldnn._linear_pointwise` does on the same plain [out, in] weight, for prefill-
-    and decode-shaped products alike (1.5-2.4x at 4..1152 rows; at one row oneDNN only wins on
-    large weights such as the LM head, and loses a few microseconds of call overhead on small
-    ones). bfloat16 already goes to oneDNN. Traced code (torch.compile) keeps `F.linear`, which
-    Inductor lowers itself. VLLM_CPU_ONEDNN_LINEAR=0 turns the rerouting off."""
-    if (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.dim() == 2 and weight.layout == torch.strided
-            and not torch.compiler.is_compiling() and not x.requires_grad
-            and (x.numel() > x.shape[-1] or weight.numel() >= _ONEDNN_MIN_WEIGHT_NUMEL)
-            and _onednn_linear_enabled()):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+from vllm.model_executor.layers.cpu_linear import dispatch_linear
 
 
 def divide(numerator: int, denominator: int) -> int:

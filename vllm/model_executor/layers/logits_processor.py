@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from vllm.distributed import tensor_model_parallel_all_gather
-from vllm.model_executor.layers.linear import dispatch_linear
+from vllm.model_executor.layers.cpu_linear import dispatch_linear
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
 

@@ -1,0 +1,92 @@
+"""Build and load small C++ CPU kernels at first use, cached under the vllm cache root.
+
+    if load_cpu_extension("cpu_paged_attention", "/path/to/cpu_paged_attention.cpp",
+                          "VLLM_CPU_ATTENTION_KERNEL"):
+        torch.ops.<namespace>.<op>(...)
+
+A kernel source registers its ops with `TORCH_LIBRARY` itself. The library is built with
+`torch.utils.cpp_extension.load` once per machine (seconds to tens of seconds) in
+`<VLLM_CACHE_ROOT>/cpu_kernels_<name>/<hash>`; the hash covers the source, the compiler flags,
+the torch version and the CPU's instruction-set flags (the code is built with -march=native),
+so a changed source or another machine never loads a stale library. Loading a built library
+takes milliseconds. A failed build (no compiler, no headers) is logged once and returns False:
+callers keep their plain-torch path. Setting the kernel's environment switch to 0 disables it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+_lock = threading.Lock()
+_loaded: dict[str, bool] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine()
+
+
+def switched_off(env_switch: str) -> bool:
+    return os.environ.get(env_switch, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def load_cpu_extension(name: str, source_path: str, env_switch: str) -> bool:
+    """Build (first call on this machine) and load `source_path`; True when its ops are
+    registered. Thread-safe; one try per process and name."""
+    if name not in _loaded:
+        with _lock:
+            if name not in _loaded:
+                _loaded[name] = False if switched_off(env_switch) else _build_and_load(
+                    name, source_path)
+    return _loaded[name]
+
+
+def _build_and_load(name: str, source_path: str) -> bool:
+    try:
+        import torch
+        from torch.utils.cpp_extension import load
+
+        from vllm import envs
+
+        with open(source_path) as f:
+            source = f.read()
+        digest = hashlib.sha256("\n".join([source, " ".join(CFLAGS), torch.__version__,
+                                           _cpu_flags()]).encode()).hexdigest()[:16]
+        directory = os.path.join(envs.VLLM_CACHE_ROOT, f"cpu_kernels_{name}", digest)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, os.path.basename(source_path))
+        if not os.path.isfile(path):
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        start = time.perf_counter()
+        load(name=f"vllm_{name}_{digest}", sources=[path], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
+             verbose=False)
+        elapsed = time.perf_counter() - start
+        if elapsed > 1.0:
+            logger.info("Built the CPU kernel %s in %.1f s (cached in %s)", name, elapsed,
+                        directory)
+        return True
+    except Exception as e:  # no compiler, missing headers, a compile error...
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        logger.warning("Could not build the CPU kernel %s (%s: %s); its callers use plain "
+                       "torch", name, type(e).__name__, first_line)
+        return False
