@@ -9,8 +9,11 @@ A kernel source registers its ops with `TORCH_LIBRARY` itself. The library is bu
 `<VLLM_CACHE_ROOT>/cpu_kernels_<name>/<hash>`; the hash covers the source, the compiler flags,
 the torch version and the CPU's instruction-set flags (the code is built with -march=native),
 so a changed source or another machine never loads a stale library. Loading a built library
-takes milliseconds. A failed build (no compiler, no headers) is logged once and returns False:
-callers keep their plain-torch path. Setting the kernel's environment switch to 0 disables it.
+takes milliseconds. When VLLM_CACHE_ROOT points elsewhere (tests, benchmarks with a fresh cache
+root), the identical build in the default root (~/.cache/vllm) is loaded instead of building
+again: the hash makes it the same library. A failed build (no compiler, no headers) is logged
+once and returns False: callers keep their plain-torch path. Setting the kernel's environment
+switch to 0 disables it.
 """
 from __future__ import annotations
 
@@ -42,6 +45,11 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
+def _default_cache_root() -> str:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return os.path.join(xdg if xdg else os.path.join(os.path.expanduser("~"), ".cache"), "vllm")
+
+
 def switched_off(env_switch: str) -> bool:
     return os.environ.get(env_switch, "1").strip().lower() in ("0", "false", "off", "no")
 
@@ -68,7 +76,17 @@ def _build_and_load(name: str, source_path: str) -> bool:
             source = f.read()
         digest = hashlib.sha256("\n".join([source, " ".join(CFLAGS), torch.__version__,
                                            _cpu_flags()]).encode()).hexdigest()[:16]
-        directory = os.path.join(envs.VLLM_CACHE_ROOT, f"cpu_kernels_{name}", digest)
+        ext_name = f"vllm_{name}_{digest}"
+        subdir = os.path.join(f"cpu_kernels_{name}", digest)
+        directory = os.path.join(envs.VLLM_CACHE_ROOT, subdir)
+        for root in dict.fromkeys([envs.VLLM_CACHE_ROOT, _default_cache_root()]):
+            built = os.path.join(root, subdir, f"{ext_name}.so")
+            if os.path.isfile(built):
+                try:
+                    torch.ops.load_library(built)
+                    return True
+                except OSError:  # a half-written library (an interrupted build): rebuild
+                    pass
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, os.path.basename(source_path))
         if not os.path.isfile(path):
@@ -77,7 +95,7 @@ def _build_and_load(name: str, source_path: str) -> bool:
                 f.write(source)
             os.replace(tmp, path)
         start = time.perf_counter()
-        load(name=f"vllm_{name}_{digest}", sources=[path], extra_cflags=CFLAGS,
+        load(name=ext_name, sources=[path], extra_cflags=CFLAGS,
              extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
              verbose=False)
         elapsed = time.perf_counter() - start

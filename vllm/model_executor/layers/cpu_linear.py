@@ -4,10 +4,11 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
 - float32 goes to MKL's sgemm, which reaches about half of what oneDNN's
   `mkldnn._linear_pointwise` does on the same plain [out, in] weight, for prefill- and
   decode-shaped products alike (1.5-2.4x at 2..1152 rows);
-- decode products with a few rows (M = 1..4) are bound by reading the weight, and both MKL
-  and oneDNN read it at about half the machine's bandwidth (bfloat16: ~15 of ~30 GB/s). A small
-  C++ kernel (csrc/cpu_small_m_linear.cpp) streams the weight with prefetching instead: ~1.7x
-  in bfloat16 at 1-2 rows, on par or better in float32.
+- decode products with a few rows are bound by reading the weight, and both MKL and oneDNN
+  read it at about half the machine's bandwidth (bfloat16: ~15 of ~30 GB/s). A small C++
+  kernel (csrc/cpu_small_m_linear.cpp) streams the weight with prefetching instead, for up to
+  4 rows (float32: 1.0-1.6x oneDNN; bfloat16: 1.5-2.3x), and up to 16 bfloat16 rows on CPUs
+  with AVX512-BF16 dot products (1.1-1.5x at 8-16 rows).
 
 Other products (bfloat16 with more rows, other dtypes, other devices) keep `F.linear`, and so
 does traced code (torch.compile: Inductor lowers `F.linear` itself). The small-M kernel is built
@@ -25,8 +26,10 @@ from vllm.utils.cpu_kernels import load_cpu_extension, switched_off
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc",
                        "cpu_small_m_linear.cpp")
-# Most rows a product may have for the small-M kernel (measured crossovers against oneDNN).
-SMALL_M_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 4}
+# Most rows a product may have for the small-M kernel (measured crossovers against oneDNN on
+# cold weights; bfloat16 with AVX512-BF16 dot products goes further).
+SMALL_M_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 4}
+BF16_DOT_MAX_ROWS = 16
 
 _onednn: bool | None = None
 
@@ -43,6 +46,20 @@ def onednn_linear_enabled() -> bool:
 def small_m_linear_available() -> bool:
     """Build (first call on this machine) and load the small-M kernel; True when usable."""
     return load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR")
+
+
+_max_rows_cache: dict[torch.dtype, int] = {}
+
+
+def _max_rows(dtype: torch.dtype) -> int:
+    rows = _max_rows_cache.get(dtype)
+    if rows is None:
+        rows = SMALL_M_MAX_ROWS.get(dtype, 0)
+        if (dtype == torch.bfloat16 and small_m_linear_available()
+                and torch.ops.vllm_cpu_linear.has_bf16_dot()):
+            rows = BF16_DOT_MAX_ROWS
+        _max_rows_cache[dtype] = rows
+    return rows
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -63,8 +80,7 @@ def dispatch_linear(x: torch.Tensor, weight: torch.Tensor,
         return F.linear(x, weight, bias)
     in_features = x.shape[-1]
     rows = x.numel() // in_features if in_features else 0
-    max_rows = SMALL_M_MAX_ROWS.get(dtype, 0)
-    if (0 < rows <= max_rows and weight.is_contiguous()
+    if (0 < rows <= _max_rows(dtype) and weight.is_contiguous()
             and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
             and small_m_linear_available()):
         x2 = x.reshape(rows, in_features)

@@ -2,13 +2,22 @@
 //
 //   torch.ops.vllm_cpu_linear.small_m_linear(x [M, K], weight [N, K], bias [N] or None)
 //       -> y [M, N]
+//   torch.ops.vllm_cpu_linear.has_bf16_dot() -> bool
 //
-// Decode-shaped products (M = 1..8) are bound by reading the weight. BLAS libraries reach
-// only a fraction of the memory bandwidth there on the dev machines (7-14 GB/s of about
-// 35 GB/s with cold weights), so this kernel does the plain thing: each thread streams a
-// contiguous range of weight rows, four at a time, and dots them with every row of x (kept as
-// float in L1/L2). bfloat16 weights are widened to float in registers; accumulation is in
-// float32, the result is rounded to x's dtype once (as oneDNN does).
+// Decode-shaped products (M = 1..16) are bound by reading the weight. BLAS libraries reach
+// only about half of the memory bandwidth there on the dev machines (bfloat16: ~15 of ~30 GB/s
+// with cold weights), so this kernel does the plain thing: each thread streams a contiguous
+// range of weight rows, four at a time, prefetching the next four, and dots them with every
+// row of x. K is walked in blocks so that the four rows' block stays in L1 while every group
+// of four x rows passes over it. Accumulation is in float32; the result is rounded to x's
+// dtype once (as oneDNN does).
+//
+// Two inner loops:
+// - widening: weight elements are widened to float in registers (float32 and bfloat16), x is
+//   converted to a float buffer once; 16 lanes per step;
+// - bfloat16 dot products (built for a CPU with AVX512-BF16, products of 3+ rows): vdpbf16ps
+//   multiplies 32 bfloat16 pairs per instruction, neither operand is widened. One or two rows
+//   stream faster through the widening loop (measured), so they keep it.
 //
 // x may have a row stride; its last dim, the weight and the bias must be dense. x, weight and
 // bias share one dtype: float32 or bfloat16.
@@ -23,9 +32,17 @@
 #include <optional>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int kLanes = 16;
+constexpr int kTileN = 4;           // weight rows per tile
+constexpr int kTileM = 4;           // x rows per group
+constexpr int64_t kDotMinRows = 3;  // fewer rows keep the widening loop
+
 typedef float vf __attribute__((vector_size(64)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
 typedef uint16_t vu16 __attribute__((vector_size(32)));
@@ -51,79 +68,139 @@ inline float hsum(vf v) {
   return s;
 }
 
-// NR weight rows x MR rows of x: acc[i][j] = sum_k w[i][k] * x[j][k].
-template <int NR, int MR, typename T>
-inline void tile(const T* w, int64_t K, const float* x, int64_t x_stride, float* dots) {
-  vf acc[NR][MR];
-  for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) acc[i][j] = vf{};
-  const int64_t k_vec = K / kLanes * kLanes;
-  for (int64_t k = 0; k < k_vec; k += kLanes) {
-    vf xv[MR];
-    for (int j = 0; j < MR; ++j) xv[j] = load(x + j * x_stride + k);
-    for (int i = 0; i < NR; ++i) {
-      // The next tile's rows follow these in memory: fetch them while this tile computes
-      // (short rows give the hardware prefetcher little time to ramp up on its own).
-      __builtin_prefetch(w + (i + NR) * K + k);
-      const vf wv = load(w + i * K + k);
-      for (int j = 0; j < MR; ++j) acc[i][j] += wv * xv[j];
+// Widening loop: x is float, the weight float or bfloat16; 16 elements per step.
+template <typename T>
+struct Widen {
+  using XT = float;
+  static constexpr int64_t kStep = kLanes;
+  static constexpr int64_t kBlock = 512;  // K block (measured)
+
+  template <int NR, int MR>
+  static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const float* x,
+                           int64_t x_stride, vf* acc_io) {
+    vf acc[NR][MR];
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc[i][j] = acc_io[i * MR + j];
+    for (int64_t k = k0; k < k1; k += kStep) {
+      vf xv[MR];
+      for (int j = 0; j < MR; ++j) xv[j] = load(x + j * x_stride + k);
+      for (int i = 0; i < NR; ++i) {
+        // The next tile's rows follow these in memory: fetch them while this tile computes
+        // (short rows give the hardware prefetcher little time to ramp up on its own).
+        __builtin_prefetch(w + (i + NR) * K + k);
+        const vf wv = load(w + i * K + k);
+        for (int j = 0; j < MR; ++j) acc[i][j] += wv * xv[j];
+      }
     }
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc_io[i * MR + j] = acc[i][j];
   }
-  for (int i = 0; i < NR; ++i) {
-    for (int j = 0; j < MR; ++j) {
-      float s = hsum(acc[i][j]);
-      for (int64_t k = k_vec; k < K; ++k) s += scalar(w[i * K + k]) * x[j * x_stride + k];
-      dots[i * MR + j] = s;
+};
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+
+// AVX512-BF16 loop: vdpbf16ps adds 32 bfloat16 products into 16 float lanes per step.
+struct Bf16Dot {
+  using T = c10::BFloat16;
+  using XT = c10::BFloat16;
+  static constexpr int64_t kStep = 32;
+  static constexpr int64_t kBlock = 1024;  // K block (measured)
+
+  template <int NR, int MR>
+  static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const T* x,
+                           int64_t x_stride, vf* acc_io) {
+    __m512 acc[NR][MR];
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc[i][j] = (__m512)acc_io[i * MR + j];
+    for (int64_t k = k0; k < k1; k += kStep) {
+      __m512bh xv[MR];
+      for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * x_stride + k);
+      for (int i = 0; i < NR; ++i) {
+        __builtin_prefetch(w + (i + NR) * K + k);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * K + k);
+        for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+      }
     }
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc_io[i * MR + j] = (vf)acc[i][j];
+  }
+};
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+template <typename Loop, int NR, typename T, typename XT>
+inline void block_rows(int mr, const T* w, int64_t K, int64_t k0, int64_t k1, const XT* x,
+                       int64_t x_stride, vf* acc) {
+  switch (mr) {
+    case 1: Loop::template block<NR, 1>(w, K, k0, k1, x, x_stride, acc); break;
+    case 2: Loop::template block<NR, 2>(w, K, k0, k1, x, x_stride, acc); break;
+    case 3: Loop::template block<NR, 3>(w, K, k0, k1, x, x_stride, acc); break;
+    default: Loop::template block<NR, 4>(w, K, k0, k1, x, x_stride, acc); break;
   }
 }
 
-template <int NR, typename T>
-inline void tile_rows(int mr, const T* w, int64_t K, const float* x, int64_t x_stride,
-                      float* dots) {
-  switch (mr) {
-    case 1: tile<NR, 1>(w, K, x, x_stride, dots); break;
-    case 2: tile<NR, 2>(w, K, x, x_stride, dots); break;
-    case 3: tile<NR, 3>(w, K, x, x_stride, dots); break;
-    default: tile<NR, 4>(w, K, x, x_stride, dots); break;
+template <typename Loop, typename T, typename XT>
+inline void block_tile(int nr, int mr, const T* w, int64_t K, int64_t k0, int64_t k1,
+                       const XT* x, int64_t x_stride, vf* acc) {
+  switch (nr) {
+    case 1: block_rows<Loop, 1>(mr, w, K, k0, k1, x, x_stride, acc); break;
+    case 2: block_rows<Loop, 2>(mr, w, K, k0, k1, x, x_stride, acc); break;
+    case 3: block_rows<Loop, 3>(mr, w, K, k0, k1, x, x_stride, acc); break;
+    default: block_rows<Loop, 4>(mr, w, K, k0, k1, x, x_stride, acc); break;
   }
+}
+
+// x: M rows of XT with stride x_stride (float rows for the widening loop).
+template <typename Loop, typename T, typename XT>
+void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64_t N,
+         const T* bp, T* op, int64_t o_stride) {
+  const int64_t k_vec = K / Loop::kStep * Loop::kStep;
+  const int64_t groups = (M + kTileM - 1) / kTileM;
+  // grain: at least 64 weight rows per task (small products stay on one thread)
+  at::parallel_for(0, N, 64, [&](int64_t n_begin, int64_t n_end) {
+    std::vector<vf> acc(groups * kTileN * kTileM);
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += kTileN) {
+      const int nr = static_cast<int>(std::min<int64_t>(kTileN, n_end - n0));
+      const T* w = wp + n0 * K;
+      std::fill(acc.begin(), acc.end(), vf{});
+      for (int64_t k0 = 0; k0 < k_vec; k0 += Loop::kBlock) {
+        const int64_t k1 = std::min(k_vec, k0 + Loop::kBlock);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - g * kTileM));
+          block_tile<Loop>(nr, mr, w, K, k0, k1, x + g * kTileM * x_stride, x_stride,
+                           acc.data() + g * kTileN * kTileM);
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - g * kTileM));
+        const vf* a = acc.data() + g * kTileN * kTileM;
+        for (int i = 0; i < nr; ++i) {
+          const T* w_row = w + i * K;
+          const float b = bp ? scalar(bp[n0 + i]) : 0.0f;
+          for (int j = 0; j < mr; ++j) {
+            const XT* x_row = x + (g * kTileM + j) * x_stride;
+            float s = hsum(a[i * mr + j]);
+            for (int64_t k = k_vec; k < K; ++k) s += scalar(w_row[k]) * scalar(x_row[k]);
+            op[(g * kTileM + j) * o_stride + n0 + i] = T(s + b);
+          }
+        }
+      }
+    }
+  });
 }
 
 template <typename T>
-void run(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-         at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+void run_widen(const at::Tensor& x, const at::Tensor& weight, const T* bp, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1);
   // x as float, dense [M, K] (a few KB: stays in cache while the weight streams by)
   std::vector<float> xf(M * K);
   const T* xp = x.data_ptr<T>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xf[m * K + k] = scalar(xp[m * x.stride(0) + k]);
-  const T* wp = weight.data_ptr<T>();
-  const T* bp = bias.has_value() && bias->defined() ? bias->data_ptr<T>() : nullptr;
-  T* op = out.data_ptr<T>();
-  const int64_t o_stride = out.stride(0);
-  // grain: at least 64 weight rows per task (small products stay on one thread)
-  at::parallel_for(0, N, 64, [&](int64_t n_begin, int64_t n_end) {
-    float dots[4 * 4];
-    for (int64_t n0 = n_begin; n0 < n_end; n0 += 4) {
-      const int nr = static_cast<int>(std::min<int64_t>(4, n_end - n0));
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
-        const T* w = wp + n0 * K;
-        const float* xr = xf.data() + m0 * K;
-        switch (nr) {
-          case 1: tile_rows<1>(mr, w, K, xr, K, dots); break;
-          case 2: tile_rows<2>(mr, w, K, xr, K, dots); break;
-          case 3: tile_rows<3>(mr, w, K, xr, K, dots); break;
-          default: tile_rows<4>(mr, w, K, xr, K, dots); break;
-        }
-        for (int i = 0; i < nr; ++i) {
-          const float b = bp ? scalar(bp[n0 + i]) : 0.0f;
-          for (int j = 0; j < mr; ++j) op[(m0 + j) * o_stride + n0 + i] = T(dots[i * mr + j] + b);
-        }
-      }
-    }
-  });
+  run<Widen<T>>(xf.data(), K, M, K, weight.data_ptr<T>(), weight.size(0), bp,
+                out.data_ptr<T>(), out.stride(0));
 }
 
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -133,7 +210,8 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(),
               "small_m_linear: x's last dim and the weight must be dense");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
-  if (bias.has_value() && bias->defined()) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
                     bias->scalar_type() == x.scalar_type(),
                 "bias must be a dense [N] tensor of x's dtype");
@@ -141,16 +219,35 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
   if (x.size(0) == 0 || weight.size(0) == 0) return out;
   switch (x.scalar_type()) {
-    case at::kFloat: run<float>(x, weight, bias, out); break;
-    case at::kBFloat16: run<c10::BFloat16>(x, weight, bias, out); break;
-    default: TORCH_CHECK(false, "small_m_linear: unsupported dtype ", x.scalar_type());
+    case at::kFloat:
+      run_widen<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, out);
+      break;
+    case at::kBFloat16: {
+      using T = c10::BFloat16;
+      const T* bp = has_bias ? bias->data_ptr<T>() : nullptr;
+#if defined(__AVX512BF16__)
+      if (x.size(0) >= kDotMinRows) {
+        run<Bf16Dot>(x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1), weight.data_ptr<T>(),
+                     weight.size(0), bp, out.data_ptr<T>(), out.stride(0));
+        break;
+      }
+#endif
+      run_widen<T>(x, weight, bp, out);
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "small_m_linear: unsupported dtype ", x.scalar_type());
   }
   return out;
 }
+
+bool has_bf16_dot() { return kBf16Dot; }
 
 }  // namespace
 
 TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_m_linear", c10::DispatchKey::CPU, &small_m_linear);
+  // Whether bfloat16 products of 3+ rows use AVX512-BF16 dot products.
+  m.def("has_bf16_dot() -> bool", &has_bf16_dot);
 }
