@@ -124,3 +124,15 @@ def test_explain_has_a_row_per_level_field_with_reason():
     assert rows["model_config.dtype"].source == f"platform {config.platform.device_name}"
     text = config.explain_text()
     assert "level O1" in text and "source" in text.splitlines()[0]
+
+
+@pytest.mark.parametrize("platform", ["cpu"], indirect=True)
+def test_cpu_fusion_defaults_carry_their_measurements(platform):
+    config = VllmConfig(model_config=model_configs.fp8(), optimization_level=2)
+    for name in ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant"):
+        prov = config.provenance[f"compilation_config.pass_config.{name}"]
+        assert prov.source == "level O2" and "CPU:" in prov.reason and "x" in prov.reason
+    explicit = VllmConfig(model_config=model_configs.fp8(), optimization_level=2,
+                          compilation_config={"pass_config": {"fuse_norm_quant": True}})
+    assert explicit.provenance["compilation_config.pass_config.fuse_norm_quant"].reason == (
+        "set explicitly")
