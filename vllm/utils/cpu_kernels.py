@@ -54,26 +54,35 @@ def switched_off(env_switch: str) -> bool:
     return os.environ.get(env_switch, "1").strip().lower() in ("0", "false", "off", "no")
 
 
-def load_cpu_extension(name: str, source_path: str, env_switch: str) -> bool:
-    """Build (first call on this machine) and load `source_path`; True when its ops are
+def load_cpu_extension(name: str, source_path: str, env_switch: str,
+                       source_text: str | None = None) -> bool:
+    """Build (first call on this machine) and load `source_path` (or `source_text`, the full
+    source when headers are pasted in, saved under that file name); True when its ops are
     registered. Thread-safe; one try per process and name."""
     if name not in _loaded:
         with _lock:
             if name not in _loaded:
                 _loaded[name] = False if switched_off(env_switch) else _build_and_load(
-                    name, source_path)
+                    name, source_path, source_text)
     return _loaded[name]
 
 
-def _build_and_load(name: str, source_path: str) -> bool:
+def cpu_extension_loaded(name: str) -> bool:
+    """Whether `load_cpu_extension(name, ...)` already succeeded in this process."""
+    return _loaded.get(name, False)
+
+
+def _build_and_load(name: str, source_path: str, source_text: str | None) -> bool:
     try:
         import torch
         from torch.utils.cpp_extension import load
 
         from vllm import envs
 
-        with open(source_path) as f:
-            source = f.read()
+        if source_text is None:
+            with open(source_path) as f:
+                source_text = f.read()
+        source = source_text
         digest = hashlib.sha256("\n".join([source, " ".join(CFLAGS), torch.__version__,
                                            _cpu_flags()]).encode()).hexdigest()[:16]
         ext_name = f"vllm_{name}_{digest}"

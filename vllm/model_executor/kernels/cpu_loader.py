@@ -7,33 +7,23 @@ dispatcher (`TORCH_LIBRARY_IMPL(vllm, CPU, ...)`) for ops whose schemas fp8_ops.
 after loading, a CPU call of `torch.ops.vllm.<op>` goes from the dispatcher straight to C++
 (about 2 us per call, against about 12 us through a Python custom op).
 
-The build runs `torch.utils.cpp_extension.load` once per machine (tens of seconds on a slow
-machine; loading a built library takes milliseconds). Its directory is
-`<VLLM_CACHE_ROOT>/cpu_kernels/<hash>`, the hash covering the source, the compiler flags, the
-torch version and the CPU's instruction-set flags (the code is built with -march=native), so a
-changed source or another machine never loads a stale library; torch's build lock keeps
-concurrent processes from building the same directory twice.
+The build and its cache are `vllm.utils.cpu_kernels.load_cpu_extension` (once per machine,
+keyed by the source, flags, torch version and CPU flags); `VLLM_CPU_FP8_KERNELS=0` turns the
+kernels off.
 
 A failed build (no compiler, no headers) is logged once and the ops keep their plain-torch
 implementation: the kernels are an optimisation, never a requirement.
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import threading
 
-from vllm.logger import init_logger
-
-logger = init_logger(__name__)
+from vllm.utils.cpu_kernels import cpu_extension_loaded, load_cpu_extension
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_DIR, "cpu_fp8.cpp")
 _HEADER = os.path.join(_DIR, "cpu_fp8_kernels.h")
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
+_NAME = "fp8"
 _allowed = True
 
 
@@ -53,74 +43,19 @@ def read_source() -> str:
     return source.replace('#include "cpu_fp8_kernels.h"', header)
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def build_dir_for(source: str) -> str:
-    import torch
-
-    from vllm import envs
-
-    key = hashlib.sha256("|".join([source, " ".join(_CFLAGS), torch.__version__,
-                                   _cpu_flags()]).encode()).hexdigest()[:16]
-    return os.path.join(envs.VLLM_CACHE_ROOT, "cpu_kernels", key)
-
-
 def cpu_fp8_kernels_loaded() -> bool:
-    return _state.get("loaded", False)
+    return cpu_extension_loaded(_NAME)
 
 
 def load_cpu_fp8_kernels() -> bool:
     """Build (first time on this machine) and load the kernels; True when they are
     registered. Thread-safe; tries once per process."""
-    if "loaded" in _state:
-        return _state["loaded"]
+    if cpu_fp8_kernels_loaded():
+        return True
     if not _allowed:
         return False
-    with _lock:
-        if "loaded" not in _state:
-            _state["loaded"] = _build_and_load()
-    return _state["loaded"]
-
-
-def _build_and_load() -> bool:
-    import time
-
     # The schemas must exist before the library registers kernels for them.
     import vllm.model_executor.kernels.fp8_ops  # noqa: F401
 
-    try:
-        from torch.utils.cpp_extension import load
-
-        source = read_source()
-        directory = build_dir_for(source)
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, "cpu_fp8_full.cpp")
-        if not os.path.isfile(path):
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(source)
-            os.replace(tmp, path)
-        name = "vllm_cpu_fp8_" + os.path.basename(directory)
-        start = time.perf_counter()
-        load(name=name, sources=[path], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-             build_directory=directory, is_python_module=False, verbose=False)
-        elapsed = time.perf_counter() - start
-        if elapsed > 1.0:
-            logger.info("Built the CPU FP8 kernels in %.1f s (cached in %s)", elapsed, directory)
-        return True
-    except Exception as e:  # no compiler, missing headers, a compile error...
-        first_line = str(e).splitlines()[0] if str(e) else ""
-        logger.warning("Could not build the CPU FP8 kernels (%s: %s); the FP8 ops use their "
-                       "plain-torch implementation", type(e).__name__, first_line)
-        return False
+    return load_cpu_extension(_NAME, os.path.join(_DIR, "cpu_fp8_full.cpp"),
+                              "VLLM_CPU_FP8_KERNELS", source_text=read_source())
