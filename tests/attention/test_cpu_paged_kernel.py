@@ -101,3 +101,42 @@ def test_kernel_rejects_a_short_block_table():
     with pytest.raises(RuntimeError, match="blocks"):
         paged_attention(query, cache, table[:, :2], seq_lens, starts, torch.tensor([0]), 0.25,
                         torch.empty(query.shape))
+
+
+def test_write_and_attend_writes_then_attends():
+    """The fused op equals index_copy_ of the new K/V rows followed by paged_attention, with
+    strided q/k/v rows (slices of one projection output) and a padding lane into block 0."""
+    from vllm.attention.backends.cpu_paged_kernel import write_and_attend
+
+    heads, kv_heads, head_size, block_size = 6, 2, 16, 4
+    requests = [(5, 1), (0, 3), (2, 2)]
+    query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
+                                                       block_size, torch.float32)
+    cache = cache.nan_to_num(0.0)
+    num_tokens = query.shape[0] + 1  # one padding lane
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_size)
+    q = qkv[:, :heads * head_size]
+    k = qkv[:, heads * head_size:(heads + kv_heads) * head_size]
+    v = qkv[:, (heads + kv_heads) * head_size:]
+    slots = []
+    for r, (c, n) in enumerate(requests):
+        slots += [int(table[r, p // block_size]) * block_size + p % block_size
+                  for p in range(c, c + n)]
+    slots.append(3)  # the padding lane writes into the dummy block 0
+    slots = torch.tensor(slots)
+    reqs = torch.arange(len(requests))
+    ref_cache = cache.clone()
+    flat = ref_cache.view(2, -1, kv_heads, head_size)
+    flat[0].index_copy_(0, slots, k.reshape(num_tokens, kv_heads, head_size))
+    flat[1].index_copy_(0, slots, v.reshape(num_tokens, kv_heads, head_size))
+    ref = torch.zeros(num_tokens, heads, head_size)
+    paged_attention_reference(q.reshape(num_tokens, heads, head_size), ref_cache, table,
+                              seq_lens, starts, reqs, 0.25, ref)
+    out = torch.zeros(num_tokens, heads * head_size)
+    write_and_attend(q, k, v, cache, slots, table, seq_lens, starts, reqs, 0.25, out)
+    torch.testing.assert_close(cache, ref_cache, atol=0, rtol=0)
+    torch.testing.assert_close(out.view(num_tokens, heads, head_size), ref, atol=1e-5,
+                               rtol=1e-5)
+    with pytest.raises(RuntimeError, match="out of range"):
+        write_and_attend(q, k, v, cache, torch.tensor([10**6]), table, seq_lens, starts, reqs,
+                         0.25, out)

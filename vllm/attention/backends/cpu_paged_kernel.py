@@ -43,6 +43,19 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
                                             query_start_loc, req_indices, scale, out)
 
 
+def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, req_indices: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> None:
+    """Write key/value rows 0..len(slot_mapping)-1 into the cache by slot, then
+    `paged_attention`. query/out [T, H * D], key/value [T, KVH * D] (row-strided is fine),
+    all of kv_cache's dtype; slot_mapping int64. Needs `cpu_paged_attention_available()`."""
+    torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
+                                             block_table, seq_lens, query_start_loc,
+                                             req_indices, scale, out)
+
+
 def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
                               block_table: torch.Tensor, seq_lens: torch.Tensor,
                               query_start_loc: torch.Tensor, req_indices: torch.Tensor,

@@ -157,41 +157,48 @@ class TorchSDPAImpl(AttentionImpl):
         md = attn_metadata
         self._output_scale = output_scale
         num_tokens = query.shape[0]
-        heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
-        q = query.view(num_tokens, heads, head_size)
-        k = key.view(num_tokens, kv_heads, head_size)
-        v = value.view(num_tokens, kv_heads, head_size)
-        out = output.view(num_tokens, heads, head_size)
         if kv_cache.numel() == 0:
             raise RuntimeError(f"attention layer {getattr(layer, 'layer_name', '?')!r} has no KV "
                                "cache: bind one with vllm.attention.layer.bind_kv_cache()")
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache tensor must be contiguous "
                              "[2, num_blocks, block_size, num_kv_heads, head_size]")
-        _, num_blocks, block_size = kv_cache.shape[:3]
-        flat_cache = kv_cache.view(2, num_blocks * block_size, kv_heads, head_size)
         num_slots = min(num_tokens, md.slot_mapping.shape[0])
-        slots = md.slot_mapping[:num_slots]
-        flat_cache[0].index_copy_(0, slots, k[:num_slots].to(kv_cache.dtype))
-        flat_cache[1].index_copy_(0, slots, v[:num_slots].to(kv_cache.dtype))
-        if md.num_actual_tokens < num_tokens:
-            out[md.num_actual_tokens:].zero_()
+        slots = md.slot_mapping if num_slots == md.slot_mapping.shape[0] else \
+            md.slot_mapping[:num_slots]
 
-        if (query.device.type == "cpu" and query.dtype == kv_cache.dtype
-                and query.dtype in cpu_paged_kernel.SUPPORTED_DTYPES
+        dtype = kv_cache.dtype
+        if (query.device.type == "cpu" and query.dtype == dtype and key.dtype == dtype
+                and value.dtype == dtype and dtype in cpu_paged_kernel.SUPPORTED_DTYPES
                 and md.block_table.dtype == torch.int32
                 and cpu_paged_kernel.cpu_paged_attention_available()):
+            # One C++ call writes the new K/V and attends for every request.
             requests = md._plans.get("all_requests")
             if requests is None:
                 requests = md._plans["all_requests"] = torch.arange(md.num_reqs)
             # An FP8 output is quantized from a result in the query's dtype, as the unfused
             # graph (attention, then the quant op) would compute it.
-            result = out if output_scale is None else torch.zeros_like(q)
-            cpu_paged_kernel.paged_attention(q, kv_cache, md.block_table, md.seq_lens,
-                                             md.query_start_loc, requests, self.scale, result)
+            result = output if output_scale is None else torch.empty_like(query)
+            cpu_paged_kernel.write_and_attend(query, key, value, kv_cache, slots,
+                                              md.block_table, md.seq_lens, md.query_start_loc,
+                                              requests, self.scale, result)
+            if md.num_actual_tokens < num_tokens:
+                result[md.num_actual_tokens:].zero_()
             if output_scale is not None:
-                out.copy_(self._to_output(result))
+                output.copy_(self._to_output(result))
             return output
+
+        heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
+        q = query.view(num_tokens, heads, head_size)
+        k = key.view(num_tokens, kv_heads, head_size)
+        v = value.view(num_tokens, kv_heads, head_size)
+        out = output.view(num_tokens, heads, head_size)
+        _, num_blocks, block_size = kv_cache.shape[:3]
+        flat_cache = kv_cache.view(2, num_blocks * block_size, kv_heads, head_size)
+        flat_cache[0].index_copy_(0, slots, k[:num_slots].to(kv_cache.dtype))
+        flat_cache[1].index_copy_(0, slots, v[:num_slots].to(kv_cache.dtype))
+        if md.num_actual_tokens < num_tokens:
+            out[md.num_actual_tokens:].zero_()
 
         plan = md._plans.get(block_size)
         if plan is None:

@@ -2,6 +2,9 @@
 //
 //   torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
 //                                           query_start_loc, req_indices, scale, out)
+//   torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
+//                                            block_table, seq_lens, query_start_loc,
+//                                            req_indices, scale, out)   (2-D q/k/v/out)
 //
 // query  [T, H, D]   (rows may be strided; the head and channel dims must be dense)
 // kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, same dtype as query
@@ -31,6 +34,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -319,6 +323,52 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   }
 }
 
+// Writes the batch's new K/V rows into the cache by slot, then runs paged_attention: the
+// attention layer's whole CPU step in one call. query/out [T, H * D], key/value [T, KVH * D]
+// (rows may be strided, the rest dense); slot_mapping [S] int64, S <= T: rows 0..S-1 are
+// written (padding lanes point into the dummy block 0).
+void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      const at::Tensor& query_start_loc, const at::Tensor& req_indices,
+                      double scale, at::Tensor out) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
+  const int64_t D = kv_cache.size(4), KVH = kv_cache.size(3);
+  const int64_t n_slots = kv_cache.size(1) * kv_cache.size(2);
+  TORCH_CHECK(query.dim() == 2 && out.dim() == 2 && key.dim() == 2 && value.dim() == 2,
+              "query, key, value and out must be 2-D");
+  TORCH_CHECK(query.size(1) % D == 0 && key.size(1) == KVH * D && value.size(1) == KVH * D,
+              "query/key/value widths do not match the cache's heads");
+  TORCH_CHECK(query.stride(1) == 1 && key.stride(1) == 1 && value.stride(1) == 1 &&
+                  out.stride(1) == 1,
+              "rows must be dense");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "key, value and kv_cache must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() <= key.size(0),
+              "slot_mapping must be contiguous int64 with at most one entry per token");
+  const int64_t T = query.size(0), H = query.size(1) / D;
+  const int64_t row_bytes = KVH * D * kv_cache.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + n_slots * row_bytes;
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size();
+  const int64_t v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t) {
+    const int64_t slot = slots[t];
+    TORCH_CHECK(slot >= 0 && slot < n_slots, "slot ", slot, " out of range");
+    std::memcpy(k_cache + slot * row_bytes, k_src + t * k_stride, row_bytes);
+    std::memcpy(v_cache + slot * row_bytes, v_src + t * v_stride, row_bytes);
+  }
+  paged_attention(query.as_strided({T, H, D}, {query.stride(0), D, 1}), kv_cache, block_table,
+                  seq_lens, query_start_loc, req_indices, scale,
+                  out.as_strided({T, H, D}, {out.stride(0), D, 1}));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_cpu_attn, m) {
@@ -326,4 +376,9 @@ TORCH_LIBRARY(vllm_cpu_attn, m) {
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor req_indices, float scale, Tensor(a!) out) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+  m.def(
+      "write_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
+      "Tensor req_indices, float scale, Tensor(b!) out) -> ()");
+  m.impl("write_and_attend", c10::DispatchKey::CPU, &write_and_attend);
 }
