@@ -142,6 +142,11 @@ class VllmBackend:
         self.rank = rank
         self.dumper = DebugDumper(vllm_config, rank)
         self.cache: CompileCache | None = None
+        # Inductor freezing folds each piece's weights into its code: such pieces are not
+        # saved (the prepacked weights cannot be serialized) nor shared between pieces.
+        self.frozen = self.compiler.name == "inductor" and bool(
+            vllm_config.compilation_config.freezing)
+        self._shared: dict[str, tuple[int, Callable]] = {}
         self.split_gm: fx.GraphModule | None = None
         self.pieces: list[SplitItem] = []
         self.timer = get_startup_timer()
@@ -203,13 +208,18 @@ class VllmBackend:
 
     def report_cache(self) -> None:
         """Log "compile cache: hit|miss ... in <dir>" for what this backend compiled/loaded."""
-        if self.cache is not None:
-            self.cache.report()
+        if self.cache is None:
+            return
+        if self.frozen:
+            logger.info("compile cache: miss (Inductor freezing: the frozen pieces hold "
+                        "prepacked weights that cannot be saved, so they are compiled at "
+                        "every start; the C++ objects are reused from %s)",
+                        self.cache.inductor_cache_dir)
+            return
+        self.cache.report()
 
     def _open_cache(self, gm: fx.GraphModule) -> None:
         reason = cache_disabled_reason(self.vllm_config)
-        if reason is None and not getattr(self.compiler, "savable", False):
-            reason = "Inductor freezing embeds the weights in the compiled code"
         if reason is not None:
             logger.info("compile cache: disabled (%s)", reason)
             return
@@ -225,16 +235,38 @@ class VllmBackend:
         tag = compile_range.tag
         name = f"piece_{piece_index}.{tag}.bin"
         dump_dir = self.dumper.piece_dir(piece_index, tag)
-        if self.cache is None:
+        key = graph_hash(gm, example_inputs) + "|" + str(compile_range)
+        # Pieces with the same code and input shapes (the middle decoder layers: the weights
+        # are inputs) share one compiled callable: compiled or loaded once.
+        shareable = self.compiler.name == "inductor" and not self.frozen and dump_dir is None
+        if shareable and key in self._shared:
+            first, runnable = self._shared[key]
+            compilation_counter.num_shared_piece_compiles += 1
+            self.timer.record("inductor compilation", 0.0, piece=piece_index, range=tag,
+                              backend=self.compiler.name, cache=f"shared with piece {first}")
+            return runnable
+        runnable = self._compile_or_load(gm, example_inputs, piece_index, compile_range, key,
+                                         name, dump_dir)
+        if shareable:
+            self._shared[key] = (piece_index, runnable)
+        return runnable
+
+    def _compile_or_load(self, gm: fx.GraphModule, example_inputs: list[Any],
+                         piece_index: int, compile_range: Range, key: str, name: str,
+                         dump_dir: str | None) -> Callable:
+        tag = compile_range.tag
+        if self.cache is None or self.frozen:
+            cache_dir = self.cache.inductor_cache_dir if self.cache is not None else None
             with _stage(f"{self.compiler.name} compile of piece {piece_index}", self.dumper,
                         piece_index), \
                     self.timer.phase("inductor compilation", piece=piece_index, range=tag,
-                                     backend=self.compiler.name, cache="off"):
+                                     backend=self.compiler.name,
+                                     cache="frozen" if cache_dir else "off"):
+                extra = (cache_dir,) if cache_dir else ()  # compilers without a cache: 5 args
                 compiled = self.compiler.compile(gm, example_inputs, compile_range,
-                                                 piece_index, dump_dir)
+                                                 piece_index, dump_dir, *extra)
             self._record_output_code(piece_index, tag, dump_dir)
             return compiled
-        key = graph_hash(gm, example_inputs) + "|" + str(compile_range)
         with self.cache.lock(), self.timer.phase(
                 "inductor compilation", piece=piece_index, range=tag, backend="inductor") as info:
             path = self.cache.lookup(name, key)
@@ -257,7 +289,6 @@ class VllmBackend:
             except Exception as e:
                 logger.warning("compile cache: could not save %s: %s", name, e)
             return artifact
-
 
     def _record_output_code(self, piece_index: int, tag: str, dump_dir: str | None) -> None:
         if dump_dir is None or self.compiler.name != "inductor":

@@ -27,9 +27,38 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+def _canonical_graph(gm: fx.GraphModule) -> str:
+    """The graph's operations with nodes numbered by position, not named: two decoder
+    layers' pieces differ only in their placeholders' names (the parameters' paths)."""
+    index = {node: i for i, node in enumerate(gm.graph.nodes)}
+
+    def show(value: Any) -> str:
+        if isinstance(value, fx.Node):
+            return f"%{index[value]}"
+        if isinstance(value, (list, tuple)):
+            inner = ", ".join(show(v) for v in value)
+            return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k}: {show(v)}" for k, v in value.items()) + "}"
+        return repr(value)
+
+    lines = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            target = str(target)
+        elif callable(target):
+            target = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
+        elif node.op == "placeholder":
+            target = ""  # its name
+        lines.append(f"{node.op} {target} {show(node.args)} {show(node.kwargs)}")
+    return "\n".join(lines)
+
+
 def graph_hash(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
-    """Identity of a piece compile: its code and the shapes/dtypes it is compiled for."""
-    h = hashlib.sha256(gm.code.encode())
+    """Identity of a piece compile: its operations (names aside) and the shapes/dtypes it is
+    compiled for."""
+    h = hashlib.sha256(_canonical_graph(gm).encode())
     for arg in example_inputs:
         if isinstance(arg, torch.Tensor):
             h.update(f"{tuple(arg.shape)}|{arg.stride()}|{arg.dtype}|{arg.device};".encode())
@@ -69,7 +98,8 @@ class EagerCompiler:
         self.pass_manager = pass_manager
 
     def compile(self, gm: fx.GraphModule, example_inputs: list[Any], compile_range: Range,
-                piece_index: int, dump_dir: str | None) -> Callable:
+                piece_index: int, dump_dir: str | None, cache_dir: str | None = None
+                ) -> Callable:
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
 
@@ -96,8 +126,9 @@ class InductorCompiler:
 
     @property
     def savable(self) -> bool:
-        # Frozen graphs embed the weights as constants: Inductor does not cache them (and we
-        # must not: the same config with other weights would load stale constants). A debug
+        # Frozen graphs embed the weights as constants, prepacked as mkldnn tensors that
+        # neither Inductor's cache nor ours can serialize (and a saved artifact must not hold
+        # weights: the same config with other weights would load stale constants). A debug
         # dump compiles with Inductor's cache off, so that its trace is written.
         cc = self.vllm_config.compilation_config
         return not cc.freezing and not cc.debug_dump_path

@@ -23,6 +23,8 @@ class CompilationCounter:
     """Piece compiles: one per piece per compile range, plus one per piece per compile size."""
     num_inductor_compiles: int = 0
     """Times Inductor actually ran (a cache hit does not count)."""
+    num_shared_piece_compiles: int = 0
+    """Piece compiles served by an identical piece's compiled code (same graph and shapes)."""
     num_eager_compiles: int = 0
     """Pieces prepared with the "eager" backend (traced to ATen and passed through the passes)."""
     num_cache_hits: int = 0
