@@ -43,6 +43,7 @@ namespace {
 
 constexpr int64_t kRowChunk = 16;  // query rows per work item
 constexpr int kKeys = 16;          // keys scored together (one 16-lane vector)
+constexpr int64_t kDenseMaxRows = 8;  // scores_dense below this many rows (measured)
 
 // 16 float lanes (GCC/Clang vector extensions: AVX-512 registers, two AVX2 halves, ...).
 typedef float vf __attribute__((vector_size(64)));
@@ -108,22 +109,105 @@ struct Scratch {
         l(rows), limit(rows) {}
 };
 
+// 16 float lanes widened from T (float: a plain load).
+inline vf load16(const float* p) { return load_u(p); }
+inline vf load16(const c10::BFloat16* p) {
+  typedef uint16_t vu16 __attribute__((vector_size(32)));
+  typedef uint32_t vu32 __attribute__((vector_size(64)));
+  vu16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const vu32 wide = __builtin_convertvector(raw, vu32) << 16;
+  vf v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+inline vf load16(const c10::Half* p) {
+  vf v;
+  for (int i = 0; i < kKeys; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+// out[j] = sum of the 16 lanes of p[j], for j < 16: four rounds that each add the two halves
+// of pairs of vectors, interleaved so that the last round leaves key j in lane j.
+inline vf reduce16(const vf* p) {
+  vf v[8], w[4], x[2];
+  for (int j = 0; j < 8; ++j) {
+    const vf a = p[j], b = p[j + 8];  // -> lanes 0-7: key j, lanes 8-15: key j + 8
+    v[j] = __builtin_shuffle(a, b, vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(a, b, vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  }
+  for (int j = 0; j < 4; ++j) {
+    const vf a = v[j], b = v[j + 4];  // -> groups of 4: keys j, j + 4, j + 8, j + 12
+    w[j] = __builtin_shuffle(a, b, vi{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+           __builtin_shuffle(a, b, vi{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  }
+  for (int j = 0; j < 2; ++j) {
+    const vf a = w[j], b = w[j + 2];  // -> pairs: keys j, j + 2, ..., j + 14
+    x[j] = __builtin_shuffle(a, b, vi{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+           __builtin_shuffle(a, b, vi{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  }
+  return __builtin_shuffle(x[0], x[1], vi{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
+         __builtin_shuffle(x[0], x[1], vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+}
+
+// Scores of one row against a chunk of nk keys (lanes >= nk are zero; the caller masks).
+// Head sizes that are a multiple of 16: a vector dot product per key over float K rows, then
+// one reduce16 for the 16 keys.
+inline vf scores_dense(const float* q, int64_t D, const float* k, int64_t k_stride, int nk) {
+  vf p[kKeys];
+  for (int j = 0; j < kKeys; ++j) {
+    vf a{};
+    if (j < nk) {
+      const float* kj = k + j * k_stride;
+      for (int64_t c = 0; c < D; c += kKeys) a += load_u(q + c) * load_u(kj + c);
+    }
+    p[j] = a;
+  }
+  return reduce16(p);
+}
+
+// Other head sizes: through K^T [D][kKeys], one broadcast FMA per channel.
+inline vf scores_transposed(const float* q, int64_t D, const float* kt) {
+  const vf* ktv = reinterpret_cast<const vf*>(kt);
+  vf a0{}, a1{};
+  int64_t d = 0;
+  for (; d + 2 <= D; d += 2) {
+    a0 += q[d] * ktv[d];
+    a1 += q[d + 1] * ktv[d + 1];
+  }
+  for (; d < D; ++d) a0 += q[d] * ktv[d];
+  return a0 + a1;
+}
+
 // One chunk of up to kKeys keys at positions pos0 .. pos0 + nk - 1 (rows of K/V given by
 // k_rows / v_rows with stride `row_stride`), folded into every row's online softmax.
 template <typename T>
 inline void fold_keys(Scratch& s, int64_t n_rows, int64_t D, const T* k_rows, const T* v_rows,
                       int64_t row_stride, int64_t pos0, int nk) {
-  // K^T of the chunk, [D][kKeys] (lanes past nk are zero and masked below)
-  float* kt = s.kt.data();
-  for (int j = 0; j < kKeys; ++j) {
-    if (j < nk) {
-      const T* k = k_rows + j * row_stride;
-      for (int64_t d = 0; d < D; ++d) kt[d * kKeys + j] = to_float(k[d]);
+  // Few rows (decode): per-key dot products. Many rows (prompts, GQA groups of a chunk): the
+  // transposition pays for itself.
+  const bool dense = D % kKeys == 0 && n_rows < kDenseMaxRows;
+  // K of the chunk as float: rows [nk][D] (read in place when the cache is float) when dense,
+  // else K^T [D][kKeys] with zero lanes past nk.
+  const float* kf = nullptr;
+  int64_t kf_stride = D;
+  if (dense) {
+    if constexpr (std::is_same_v<T, float>) {
+      kf = k_rows;
+      kf_stride = row_stride;
     } else {
-      for (int64_t d = 0; d < D; ++d) kt[d * kKeys + j] = 0.0f;
+      float* buf = s.kt.data();
+      for (int j = 0; j < nk; ++j)
+        for (int64_t c = 0; c < D; c += kKeys) store_u(buf + j * D + c, load16(k_rows + j * row_stride + c));
+      kf = buf;
+    }
+  } else {
+    float* kt = s.kt.data();
+    for (int j = 0; j < kKeys; ++j) {
+      const T* k = k_rows + j * row_stride;
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeys + j] = j < nk ? to_float(k[d]) : 0.0f;
     }
   }
-  const vf* ktv = reinterpret_cast<const vf*>(kt);
   vi lane;
   for (int j = 0; j < kKeys; ++j) lane[j] = j;
   const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
@@ -135,16 +219,8 @@ inline void fold_keys(Scratch& s, int64_t n_rows, int64_t D, const T* k_rows, co
       continue;
     }
     const float* q = s.q.data() + row * D;
-    vf a0{}, a1{}, a2{}, a3{};
-    int64_t d = 0;
-    for (; d + 4 <= D; d += 4) {
-      a0 += q[d] * ktv[d];
-      a1 += q[d + 1] * ktv[d + 1];
-      a2 += q[d + 2] * ktv[d + 2];
-      a3 += q[d + 3] * ktv[d + 3];
-    }
-    for (; d < D; ++d) a0 += q[d] * ktv[d];
-    vf score = (a0 + a1) + (a2 + a3);
+    vf score = dense ? scores_dense(q, D, kf, kf_stride, static_cast<int>(visible))
+                     : scores_transposed(q, D, s.kt.data());
     score = lane < static_cast<int32_t>(visible) ? score : neg_inf;
     const float new_max = std::max(s.m[row], hmax(score));
     const float alpha = std::exp(s.m[row] - new_max);  // 0 on the first chunk
@@ -165,8 +241,11 @@ inline void fold_keys(Scratch& s, int64_t n_rows, int64_t D, const T* k_rows, co
     v_stride = row_stride;
   } else {
     float* buf = s.v.data();
-    for (int j = 0; j < nk; ++j)
-      for (int64_t c = 0; c < D; ++c) buf[j * D + c] = to_float(v_rows[j * row_stride + c]);
+    for (int j = 0; j < nk; ++j) {
+      int64_t c = 0;
+      for (; c + kKeys <= D; c += kKeys) store_u(buf + j * D + c, load16(v_rows + j * row_stride + c));
+      for (; c < D; ++c) buf[j * D + c] = to_float(v_rows[j * row_stride + c]);
+    }
     v = buf;
     v_stride = D;
   }
