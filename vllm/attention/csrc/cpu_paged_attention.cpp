@@ -18,9 +18,10 @@
 // cache. Only blocks holding visible positions are read, so the padding entries of a
 // block-table row (dummy block 0) are never touched.
 //
-// Work items are (request, KV head, chunk of up to kRowChunk query rows): the G = H / KVH
-// query heads that share a KV head are computed together, so each K/V row is read once per
-// item and used G times. Items are handed out longest first from an atomic counter inside
+// Work items are (request, chunk of up to kRowChunk query rows, group of KV heads): the
+// G = H / KVH query heads that share a KV head are computed together, so each K/V row is read
+// once and used G times; KV heads are split into groups only as far as needed to keep every
+// thread busy, since a whole position row (all heads) streams sequentially. Items are handed out longest first from an atomic counter inside
 // at::parallel_for (mixed lengths stay balanced). Each item runs an online softmax over
 // chunks of 16 keys in float32: the chunk's K is transposed once so that every row scores
 // 16 keys with vector FMAs, then the chunk's V rows are added with the row's weights.
@@ -94,7 +95,8 @@ inline T from_float(float v) {
 
 struct Item {
   int64_t req;
-  int64_t kv_head;
+  int64_t head0;  // KV heads [head0, head1)
+  int64_t head1;
   int64_t row0;  // query rows [row0, row1) of the request
   int64_t row1;
   int64_t cost;
@@ -102,11 +104,11 @@ struct Item {
 
 // Per-thread scratch, sized for one work item.
 struct Scratch {
-  std::vector<float> q, acc, kt, v, probs, m, l;
+  std::vector<float> q, acc, kt, v, probs, m, l, kbuf, vbuf;
   std::vector<int64_t> limit;
-  Scratch(int64_t rows, int64_t D)
+  Scratch(int64_t rows, int64_t D, int64_t block_elems)
       : q(rows * D), acc(rows * D), kt(D * kKeys), v(kKeys * D), probs(rows * kKeys), m(rows),
-        l(rows), limit(rows) {}
+        l(rows), kbuf(block_elems), vbuf(block_elems), limit(rows) {}
 };
 
 // 16 float lanes widened from T (float: a plain load).
@@ -125,6 +127,14 @@ inline vf load16(const c10::Half* p) {
   vf v;
   for (int i = 0; i < kKeys; ++i) v[i] = static_cast<float>(p[i]);
   return v;
+}
+
+// dst[0:n] = float(src[0:n]).
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kKeys <= n; i += kKeys) store_u(dst + i, load16(src + i));
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
 // out[j] = sum of the 16 lanes of p[j], for j < 16: four rounds that each add the two halves
@@ -182,8 +192,8 @@ inline vf scores_transposed(const float* q, int64_t D, const float* kt) {
 // One chunk of up to kKeys keys at positions pos0 .. pos0 + nk - 1 (rows of K/V given by
 // k_rows / v_rows with stride `row_stride`), folded into every row's online softmax.
 template <typename T>
-inline void fold_keys(Scratch& s, int64_t n_rows, int64_t D, const T* k_rows, const T* v_rows,
-                      int64_t row_stride, int64_t pos0, int nk) {
+inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T* k_rows,
+                      const T* v_rows, int64_t row_stride, int64_t pos0, int nk) {
   // Few rows (decode): per-key dot products. Many rows (prompts, GQA groups of a chunk): the
   // transposition pays for itself.
   const bool dense = D % kKeys == 0 && n_rows < kDenseMaxRows;
@@ -211,7 +221,7 @@ inline void fold_keys(Scratch& s, int64_t n_rows, int64_t D, const T* k_rows, co
   vi lane;
   for (int j = 0; j < kKeys; ++j) lane[j] = j;
   const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
-  for (int64_t row = 0; row < n_rows; ++row) {
+  for (int64_t row = r0; row < r0 + n_rows; ++row) {
     float* p = s.probs.data() + row * kKeys;
     const int64_t visible = std::min<int64_t>(nk, s.limit[row] - pos0 + 1);
     if (visible <= 0) {
@@ -249,7 +259,7 @@ inline void fold_keys(Scratch& s, int64_t n_rows, int64_t D, const T* k_rows, co
     v = buf;
     v_stride = D;
   }
-  for (int64_t row = 0; row < n_rows; ++row) {
+  for (int64_t row = r0; row < r0 + n_rows; ++row) {
     const float* p = s.probs.data() + row * kKeys;
     float* acc = s.acc.data() + row * D;
     int64_t c = 0;
@@ -279,6 +289,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t c_blk = BS * c_pos;         // of one block
   const int64_t c_kv = num_blocks * c_blk;  // K -> V
   const int64_t bt_row = block_table.stride(0);
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));  // one head's K (or V) row
   const float scale = static_cast<float>(scale_d);
 
   const T* q_ptr = query.data_ptr<T>();
@@ -290,8 +301,21 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t* reqs = req_indices.data_ptr<int64_t>();
   const int64_t n_reqs = req_indices.numel();
 
+  // Pieces of (request, chunk of query rows); each is split into groups of KV heads only as
+  // far as needed to give every thread two items (a group's rows of a block are contiguous,
+  // so whole-head groups stream the cache sequentially).
+  int64_t n_pieces = 0;
+  for (int64_t i = 0; i < n_reqs; ++i) {
+    const int64_t r = reqs[i];
+    const int64_t ql = starts[r + 1] - starts[r];
+    n_pieces += (ql + kRowChunk - 1) / kRowChunk;
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t n_groups = std::min<int64_t>(
+      KVH, std::max<int64_t>(1, (2 * threads + n_pieces - 1) / std::max<int64_t>(n_pieces, 1)));
+  const int64_t group_size = (KVH + n_groups - 1) / n_groups;
   std::vector<Item> items;
-  items.reserve(n_reqs * KVH);
+  items.reserve(n_pieces * n_groups);
   for (int64_t i = 0; i < n_reqs; ++i) {
     const int64_t r = reqs[i];
     const int64_t ql = starts[r + 1] - starts[r];
@@ -302,7 +326,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       const int64_t keys = ctx + row1;
       TORCH_CHECK((keys + BS - 1) / BS <= block_table.size(1), "request ", r, " needs ",
                   (keys + BS - 1) / BS, " blocks; the block table has ", block_table.size(1));
-      for (int64_t g = 0; g < KVH; ++g) items.push_back({r, g, row0, row1, keys * (row1 - row0)});
+      for (int64_t g0 = 0; g0 < KVH; g0 += group_size) {
+        const int64_t g1 = std::min(KVH, g0 + group_size);
+        items.push_back({r, g0, g1, row0, row1, keys * (row1 - row0) * (g1 - g0)});
+      }
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -313,48 +340,79 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(kRowChunk * G, D);
+    Scratch s(kRowChunk * G * group_size, D, BS * group_size * D);
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t idx = next.fetch_add(1); idx < n_items; idx = next.fetch_add(1)) {
         const Item& it = items[idx];
         const int64_t ql = starts[it.req + 1] - starts[it.req];
         const int64_t ctx = lens[it.req] - ql;
-        const int64_t n_rows = (it.row1 - it.row0) * G;
-        // row = t * G + j: query row it.row0 + t, head it.kv_head * G + j
-        for (int64_t t = 0; t < it.row1 - it.row0; ++t) {
-          const int64_t tok = starts[it.req] + it.row0 + t;
-          for (int64_t j = 0; j < G; ++j) {
-            const int64_t row = t * G + j;
-            const T* src = q_ptr + tok * q_tok + (it.kv_head * G + j) * q_head;
-            float* dst = s.q.data() + row * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
-            s.limit[row] = ctx + it.row0 + t;  // last visible position
-            s.m[row] = -std::numeric_limits<float>::infinity();
-            s.l[row] = 0.0f;
+        const int64_t head_rows = (it.row1 - it.row0) * G;  // rows per KV head
+        // row = (g - head0) * head_rows + t * G + j: query row it.row0 + t, head g * G + j
+        for (int64_t g = it.head0; g < it.head1; ++g) {
+          for (int64_t t = 0; t < it.row1 - it.row0; ++t) {
+            const int64_t tok = starts[it.req] + it.row0 + t;
+            for (int64_t j = 0; j < G; ++j) {
+              const int64_t row = (g - it.head0) * head_rows + t * G + j;
+              const T* src = q_ptr + tok * q_tok + (g * G + j) * q_head;
+              float* dst = s.q.data() + row * D;
+              for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+              s.limit[row] = ctx + it.row0 + t;  // last visible position
+              s.m[row] = -std::numeric_limits<float>::infinity();
+              s.l[row] = 0.0f;
+            }
           }
         }
+        const int64_t n_rows = head_rows * (it.head1 - it.head0);
         std::fill(s.acc.begin(), s.acc.begin() + n_rows * D, 0.0f);
         const int64_t n_keys = ctx + it.row1;
         const int32_t* blocks = table + it.req * bt_row;
+        // Each block's K and V rows of the group's heads are first copied (widened) into float
+        // buffers in memory order, which streams them at the memory's speed; the next block
+        // (anywhere in the cache) is prefetched during the copy. The scores and the weighted
+        // sums then read the buffers from L1/L2.
+        const int64_t width = (it.head1 - it.head0) * D;  // the group's part of a position
+        const T* group_base = cache + it.head0 * D;
         for (int64_t b = 0; b * BS < n_keys; ++b) {
           const int64_t block = blocks[b];
           TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
-          const T* k_base = cache + block * c_blk + it.kv_head * D;
           const int64_t in_block = std::min(BS, n_keys - b * BS);
-          for (int64_t j0 = 0; j0 < in_block; j0 += kKeys) {
-            const int nk = static_cast<int>(std::min<int64_t>(kKeys, in_block - j0));
-            fold_keys<T>(s, n_rows, D, k_base + j0 * c_pos, k_base + c_kv + j0 * c_pos, c_pos,
-                         b * BS + j0, nk);
+          const T* k_src = group_base + block * c_blk;
+          const T* next = nullptr;
+          if ((b + 1) * BS < n_keys) {
+            const int64_t nb = blocks[b + 1];
+            if (nb >= 0 && nb < num_blocks) next = group_base + nb * c_blk;
+          }
+          for (int64_t j = 0; j < in_block; ++j) {
+            widen(k_src + j * c_pos, s.kbuf.data() + j * width, width);
+            widen(k_src + c_kv + j * c_pos, s.vbuf.data() + j * width, width);
+            if (next != nullptr) {
+              const char* nk = reinterpret_cast<const char*>(next + j * c_pos);
+              for (int64_t off = 0; off < width * static_cast<int64_t>(sizeof(T)); off += 64) {
+                __builtin_prefetch(nk + off);
+                __builtin_prefetch(nk + c_kv * sizeof(T) + off);
+              }
+            }
+          }
+          for (int64_t g = it.head0; g < it.head1; ++g) {
+            const float* kg = s.kbuf.data() + (g - it.head0) * D;
+            const float* vg = s.vbuf.data() + (g - it.head0) * D;
+            for (int64_t j0 = 0; j0 < in_block; j0 += kKeys) {
+              const int nk = static_cast<int>(std::min<int64_t>(kKeys, in_block - j0));
+              fold_keys<float>(s, (g - it.head0) * head_rows, head_rows, D, kg + j0 * width,
+                               vg + j0 * width, width, b * BS + j0, nk);
+            }
           }
         }
-        for (int64_t t = 0; t < it.row1 - it.row0; ++t) {
-          const int64_t tok = starts[it.req] + it.row0 + t;
-          for (int64_t j = 0; j < G; ++j) {
-            const int64_t row = t * G + j;
-            const float inv = s.l[row] > 0.0f ? 1.0f / s.l[row] : 0.0f;
-            const float* a = s.acc.data() + row * D;
-            T* dst = o_ptr + tok * o_tok + (it.kv_head * G + j) * o_head;
-            for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(a[d] * inv);
+        for (int64_t g = it.head0; g < it.head1; ++g) {
+          for (int64_t t = 0; t < it.row1 - it.row0; ++t) {
+            const int64_t tok = starts[it.req] + it.row0 + t;
+            for (int64_t j = 0; j < G; ++j) {
+              const int64_t row = (g - it.head0) * head_rows + t * G + j;
+              const float inv = s.l[row] > 0.0f ? 1.0f / s.l[row] : 0.0f;
+              const float* a = s.acc.data() + row * D;
+              T* dst = o_ptr + tok * o_tok + (g * G + j) * o_head;
+              for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(a[d] * inv);
+            }
           }
         }
       }
