@@ -269,3 +269,13 @@ def test_inductor_freezing_folds_weights_and_skips_the_cache(monkeypatch, caplog
     # The linear's weight and bias became attributes Inductor folds; the call drops them.
     assert len([n for n in piece.gm.graph.nodes if n.op == "get_attr"]) == 2
     assert piece.keep is not None
+
+
+def test_many_model_instances_in_one_process_each_trace_once():
+    # Dynamo limits compiled entries per code object (8): every instance gets its own copy
+    # of forward's code, so a process may build many models (tests, benchmarks).
+    with torch.no_grad(), compilation_counter.expect(num_graphs_seen=10, num_recompiles=0):
+        for _ in range(10):
+            model = build(make_config())
+            ids, pos = inputs(3)
+            torch.testing.assert_close(model(ids, pos), eager_reference(model, ids, pos))

@@ -199,7 +199,7 @@ class _CompileState:
         bound = self.signature.bind(self.model_ref, *args, **kwargs)
         self._mark_dynamic(bound)
         if self.compiled is None:
-            method = types.MethodType(self.original_forward, self.model_ref)
+            method = types.MethodType(_own_code_copy(self.original_forward), self.model_ref)
             self.compiled = torch.compile(
                 method, backend=self._make_backend(), fullgraph=True, dynamic=False,
                 options={"guard_filter_fn": self._guard_filter})
@@ -216,6 +216,18 @@ class _CompileState:
         timer.record("dynamo tracing", time.perf_counter() - start - compile_seconds,
                      model=type(self.model_ref).__name__)
         return output
+
+
+def _own_code_copy(fn: Callable) -> Callable:
+    """`fn` with a code object of its own. Dynamo keeps compiled entries, and counts them
+    against its recompile limit (8), per code object: without a copy, the 9th model instance
+    built in one process (tests, benchmarks) fails as a recompile of the first ones."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy
 
 
 def _reraise(e: Exception, stage: str | None) -> None:
