@@ -266,7 +266,7 @@ class ModelRunner:
         buffers.check_fits(num_tokens, len(req_ids))
 
         query_lens, seq_lens, block_tables = [], [], []
-        slot_chunks = []
+        slot_mapping: list[int] = []
         sample_req_ids, logits_indices = [], []
         prompt_lp_rows: list[tuple[str, int, int, int]] = []  # (req, first row, first pos, n)
         offset = 0
@@ -275,11 +275,16 @@ class ModelRunner:
             n = so.num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
             end = start + n
-            buffers.input_ids_np[offset:offset + n] = state.token_ids[start:end]
-            positions = np.arange(start, end, dtype=np.int64)
-            buffers.positions_np[offset:offset + n] = positions
-            block_ids = np.asarray(state.block_ids, dtype=np.int64)
-            slot_chunks.append(block_ids[positions // bs] * bs + positions % bs)
+            if n == 1:  # decode: plain ints beat numpy's per-call overhead
+                buffers.input_ids_np[offset] = state.token_ids[start]
+                buffers.positions_np[offset] = start
+                slot_mapping.append(state.block_ids[start // bs] * bs + start % bs)
+            else:
+                buffers.input_ids_np[offset:offset + n] = state.token_ids[start:end]
+                positions = np.arange(start, end, dtype=np.int64)
+                buffers.positions_np[offset:offset + n] = positions
+                block_ids = np.asarray(state.block_ids, dtype=np.int64)
+                slot_mapping.extend((block_ids[positions // bs] * bs + positions % bs).tolist())
             query_lens.append(n)
             seq_lens.append(end)
             block_tables.append(state.block_ids)
@@ -297,7 +302,6 @@ class ModelRunner:
                                                             uniform_decode)
         buffers.check_fits(num_padded, len(req_ids))
         input_ids, positions = buffers.commit_tokens(num_tokens, num_padded)
-        slot_mapping = np.concatenate(slot_chunks).tolist()
         attn_metadata = self.attn_metadata_builder.build(
             query_lens, seq_lens, block_tables, slot_mapping,
             num_padded_tokens=num_padded if num_padded != num_tokens else None,
