@@ -76,8 +76,9 @@ def test_four_levels_four_tables(capsys, tiny):
         assert_row(tables[level], "compilation_config.pass_config.eliminate_noops", "True",
                    f"level O{level}")
     assert_row(tables[2], "compilation_config.cudagraph_mode", "NONE", "platform cpu")
-    assert_row(tables[2], "compilation_config.freezing", "True", "level O2")
-    assert_row(tables[3], "compilation_config.max_autotune", "True", "level O3")
+    assert_row(tables[2], "compilation_config.freezing", "False", "level O2")
+    assert_row(tables[2], "compilation_config.prepack_linear_weights", "True", "level O2")
+    assert_row(tables[3], "compilation_config.max_autotune", "False", "platform cpu")
     assert_row(tables[1], "compilation_config.max_autotune", "False", "level O1")
 
 

@@ -1,6 +1,8 @@
 """The decorator and VllmBackend on a toy model with a "silly attention" split point."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -255,15 +257,16 @@ def test_inductor_backend_tiny_model(monkeypatch):
 @pytest.mark.slow
 def test_inductor_freezing_folds_weights_and_skips_the_cache(monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    config = make_config(level=2, backend="inductor")
-    assert config.compilation_config.freezing  # the CPU default at O2
+    config = make_config(level=2, backend="inductor", freezing=True)
     model = build(config, num_attn=1)
     with torch.no_grad(), compilation_counter.expect(num_backend_compilations=2,
                                                      num_cache_saves=0, num_recompiles=0):
         for n in (4, 1, 7):
             ids, pos = inputs(n)
             torch.testing.assert_close(model(ids, pos), eager_reference(model, ids, pos))
-    assert "compile cache: disabled (Inductor freezing" in caplog.text
+    # Nothing saved; Inductor's C++ objects are kept under the key's directory.
+    assert "compile cache: miss (Inductor freezing" in caplog.text
+    assert os.path.isdir(model._vllm_compile_state.vllm_backend.cache.inductor_cache_dir)
     backend = model._vllm_compile_state.vllm_backend
     piece = backend.split_gm.__dict__["submod_2"]
     # The linear's weight and bias became attributes Inductor folds; the call drops them.

@@ -112,7 +112,6 @@ def test_warm_start_in_new_processes(tmp_path, llama):
     same_key_or_skip(err_a, err_c)
     assert (c["inductor"], c["hits"], c["misses"]) == (0, NUM_PIECES, 0), err_c[-3000:]
     assert "compile cache: hit" in err_c and cache_dir_in(err_a) in err_c
-    assert c["phases"]["inductor compilation"] < a["phases"]["inductor compilation"]
     assert c["tokens"] == a["tokens"]
     assert cache_dir_in(err_d) != cache_dir_in(err_a)
     assert (d["hits"], d["misses"]) == (0, NUM_PIECES)

@@ -11,6 +11,7 @@ codegen); one Inductor run is marked slow.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -25,6 +26,7 @@ except ImportError:  # tests/ itself on sys.path
 from vllm import LLM, SamplingParams
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import STANDARD_PHASES
+from vllm.model_executor.layers import cpu_prepacked_linear as cpl
 
 MAKERS = {"llama": make_llama, "qwen3": make_qwen3, "mixtral": make_mixtral}
 NUM_LAYERS = 2  # the TINY checkpoints
@@ -116,7 +118,8 @@ def check_startup_table(llm: LLM, wall: float, caplog) -> None:
     assert "other" in phases
     # The rows add up to the engine's wall time, which is the caller's within 5%.
     assert sum(phases.values()) == pytest.approx(engine.startup_seconds, rel=1e-6)
-    assert abs(sum(phases.values()) - wall) <= 0.05 * wall, (phases, wall)
+    # (20 ms for what LLM() does around the engine: a cached -O0 start takes ~10 ms)
+    assert abs(sum(phases.values()) - wall) <= max(0.05 * wall, 0.02), (phases, wall)
     assert phases["other"] <= 0.05 * wall + 0.05, phases
     tables = [r.getMessage() for r in caplog.records
               if r.getMessage().startswith("Start-up phases")]
@@ -125,22 +128,32 @@ def check_startup_table(llm: LLM, wall: float, caplog) -> None:
         assert f"\n{name} " in tables[0], name
 
 
-@pytest.mark.parametrize("model,level", [
-    ("llama", 1), ("llama", 2), ("llama", 3),
-    ("qwen3", 1), ("qwen3", 3),
-    ("mixtral", 2),
+SIZES = [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("model,level,sizes", [
+    ("llama", 1, None), ("llama", 2, None), ("llama", 3, None), ("llama", 3, SIZES),
+    ("qwen3", 1, None), ("qwen3", 3, SIZES),
+    ("mixtral", 2, None),
 ])
-def test_level_matches_o0_eager_backend(checkpoints, model, level, caplog):
+def test_level_matches_o0_eager_backend(checkpoints, model, level, sizes, caplog):
+    """`sizes`: explicit per-size static compiles (O3's switch, which the CPU turns off)."""
     tokens0, logprobs0 = reference(checkpoints, model)
     compiled = NUM_LAYERS + 1
-    sizes = [1, 2, 4, 8, 16] if level == 3 else []
+    extra = {} if sizes is None else {"compile_sizes": sizes}
+    gc.collect()  # earlier engines' prepacked copies go with them
+    prepacked = cpl.num_prepacked()
     with compilation_counter.expect(
             num_models_seen=1, num_graphs_seen=1, num_recompiles=0,
             num_piecewise_graphs_seen=2 * NUM_LAYERS + 1,
             num_piecewise_capturable_graphs_seen=compiled,
-            num_backend_compilations=compiled * (1 + len(sizes))):
-        llm, wall = build(checkpoints(model), level, caplog, backend="eager")
-    assert llm.llm_engine.vllm_config.compilation_config.compile_sizes == sizes
+            num_backend_compilations=compiled * (1 + len(sizes or []))):
+        llm, wall = build(checkpoints(model), level, caplog, backend="eager", **extra)
+    cc = llm.llm_engine.vllm_config.compilation_config
+    assert cc.compile_sizes == (sizes or [])
+    # -O2/-O3 on the CPU: every linear of the decoder layers has a oneDNN-prepacked copy.
+    linears = 4 if model != "mixtral" else 3  # qkv, o, gate_up, down (Mixtral: MoE, gate)
+    assert cpl.num_prepacked() - prepacked == (NUM_LAYERS * linears if level >= 2 else 0)
     check_startup_table(llm, wall, caplog)
     # Compiled during start-up: serving compiles and traces nothing.
     with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0,
