@@ -80,7 +80,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     opaque op `vllm::cpu_prepacked_linear` (layers/cpu_prepacked_linear.py), which runs the
     eager kernels of `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured
     slower here); with `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the
-    weight is also reordered for oneDNN after loading and the op computes with that copy."""
+    weight is also reordered for oneDNN after loading and the op computes with that copy.
+    With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
+    which folds and prepacks them itself."""
 
     def __init__(self) -> None:
         from vllm.config import get_current_vllm_config
@@ -88,7 +90,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
         config = get_current_vllm_config()
         cc = config.compilation_config if config is not None else None
-        self.compiled = cc is not None and cc.mode == CompilationMode.VLLM_COMPILE
+        self.compiled = (cc is not None and cc.mode == CompilationMode.VLLM_COMPILE
+                         and not cc.freezing)
         self.want_prepack = self.compiled and bool(cc.prepack_linear_weights)
         self.use_cpu_op = False
 
