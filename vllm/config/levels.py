@@ -86,13 +86,13 @@ GRAPH_PARTITION = Cond(lambda cfg: cfg.platform.supports_inductor_graph_partitio
                        and _torch_at_least(2, 9), "torch >= 2.9 on CUDA")
 ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(), "platform is the CPU")
 # CPU, measured on the demo model (float32, 2 cores, decode-shaped forwards of the compiled
-# model, paired rounds against O1; benchmarks/results/cpu_levels.md): linear weights reordered
-# for oneDNN once and used through an opaque op (the weights stay graph inputs, so the
-# compiled code is cached) run batch-1 decode x1.03 and batch-16 decode x1.26 faster than O1's
-# plain-weight kernels (and x1.30 / x0.93 against Inductor freezing, which cannot be cached).
+# model, paired rounds; benchmarks/bench_level_switches.py, results/cpu_levels.md): linear
+# weights reordered for oneDNN once and used through an opaque op (the weights stay graph
+# inputs, so the compiled code is cached) run batch-16 decode x1.20 faster than O1's plain
+# weights and batch-1 decode alike (x1.00: 1-4 rows take the small-M kernel either way).
 PREPACK_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
-                      "platform is the CPU (prepacked oneDNN linears: decode x1.03 at batch 1, "
-                      "x1.26 at batch 16 vs O1; cacheable)")
+                      "platform is the CPU (prepacked oneDNN linears: decode x1.20 at batch 16, "
+                      "x1.00 at batch 1 vs O1; cacheable)")
 
 # Token counts that get their own static-shape compile at O3: the common decode batch sizes.
 O3_COMPILE_SIZES = [1, 2, 4, 8, 16]
@@ -127,10 +127,10 @@ _O2 = {
     **_O1,
     f"{_CC}.cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
     f"{_CC}.use_inductor_graph_partition": GRAPH_PARTITION,
-    # Inductor freezing stays off: on the CPU it measured x1.40 / x1.51 (batch 1 / 16) over
-    # Inductor's own linears, but prepacking (below) does as well (x1.30 / x0.93 against
-    # freezing) and, unlike freezing, leaves the weights out of the compiled code, so a warm
-    # start loads it instead of compiling again. -cc.freezing=true still opts in.
+    # Inductor freezing stays off: on the CPU it measured x0.85 / x1.30 (batch 1 / 16) against
+    # O1, and prepacking (below) x1.18 / x0.89 against freezing; unlike freezing, prepacking
+    # leaves the weights out of the compiled code, so a warm start loads the code instead of
+    # compiling it again. -cc.freezing=true still opts in.
     f"{_CC}.freezing": False,
     f"{_CC}.prepack_linear_weights": PREPACK_ON_CPU,
     f"{_PC}.fuse_attn_quant": FP8_STATIC,
