@@ -8,8 +8,8 @@ and keeps the fastest; the result is, per pair (A, B), the median over rounds of
 time(A), i.e. how much faster A is, with the quartiles.
 
     python benchmarks/bench_level_switches.py                     # demo model: O0, O1, O2
-    python benchmarks/bench_level_switches.py --config "O2+sizes=2:{\"compile_sizes\":[1,2,4,8,16]}" \\
-        --pair O2+sizes,O2
+    python benchmarks/bench_level_switches.py --config O2=2 \\
+        --config 'O2+sizes=2:{"compile_sizes":[1,2,4,8,16]}' --pair O2+sizes,O2
 The figures behind the CPU choices in vllm/config/levels.py and vllm/platforms/cpu.py come
 from this script (benchmarks/results/cpu_levels.md).
 """

@@ -88,11 +88,11 @@ ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(), "platform is the CPU")
 # CPU, measured on the demo model (float32, 2 cores, decode-shaped forwards of the compiled
 # model, paired rounds; benchmarks/bench_level_switches.py, results/cpu_levels.md): linear
 # weights reordered for oneDNN once and used through an opaque op (the weights stay graph
-# inputs, so the compiled code is cached) run batch-16 decode x1.20 faster than O1's plain
-# weights and batch-1 decode alike (x1.00: 1-4 rows take the small-M kernel either way).
+# inputs, so the compiled code is cached) run batch-16 decode x1.15-1.20 faster than O1's
+# plain weights and batch-1 decode alike (x1.00: 1-4 rows take the small-M kernel anyway).
 PREPACK_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
-                      "platform is the CPU (prepacked oneDNN linears: decode x1.20 at batch 16, "
-                      "x1.00 at batch 1 vs O1; cacheable)")
+                      "platform is the CPU (prepacked oneDNN linears: decode x1.15-1.20 at "
+                      "batch 16, x1.00 at batch 1 vs O1; cacheable)")
 
 # Token counts that get their own static-shape compile at O3: the common decode batch sizes.
 O3_COMPILE_SIZES = [1, 2, 4, 8, 16]
