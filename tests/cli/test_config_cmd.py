@@ -10,25 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig
 
 from vllm.entrypoints.cli import main as cli_main
 from vllm.platforms import reset_current_platform
 from vllm.version import __version__
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    """A tiny Llama checkpoint folder (config.json is all config resolution reads)."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                         max_position_embeddings=256)
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(path)
-    return str(path)
 
 
 def run_config(capsys, *argv: str) -> str:

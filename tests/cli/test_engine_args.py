@@ -5,24 +5,11 @@ import dataclasses
 import warnings
 
 import pytest
-from transformers import LlamaConfig
 
 from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, OptimizationLevel
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms import reset_current_platform
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    """A tiny Llama checkpoint folder (config.json is all config resolution reads)."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                         max_position_embeddings=256)
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture
