@@ -101,6 +101,24 @@ def _fake_inputs(example_inputs: list[Any]) -> list[Any]:
             for t in example_inputs]
 
 
+def _inputs_from_meta(items: list[SplitItem]) -> dict[str, list[Any]] | None:
+    """Each piece's example inputs from its placeholders' `example_value` (Dynamo's fake
+    values, which split_module copies): no second fake run through the model. None when one
+    is missing (then the pieces are run on fake inputs)."""
+    inputs: dict[str, list[Any]] = {}
+    for item in items:
+        values = []
+        for node in item.graph.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            value = node.meta.get("example_value")
+            if value is None:
+                return None
+            values.append(value)
+        inputs[item.name] = values
+    return inputs
+
+
 class _PieceInputRecorder(torch.fx.Interpreter):
     """Runs the split module on fake inputs and records each submodule's inputs."""
 
@@ -179,7 +197,8 @@ class VllmBackend:
             self.dumper.dump_graph(f"piece_{item.index}.py", item.graph,
                                    f"piece {item.index} ({item.name}): {kind}")
         with _stage("fake propagation through the pieces", self.dumper):
-            piece_inputs = _PieceInputRecorder(split_gm).record(_fake_inputs(example_inputs))
+            piece_inputs = _inputs_from_meta(items) or \
+                _PieceInputRecorder(split_gm).record(_fake_inputs(example_inputs))
         cudagraph_mode = self.vllm_config.compilation_config.cudagraph_mode
         freeze = self.compiler.name == "inductor" and bool(
             self.vllm_config.compilation_config.freezing)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -144,6 +145,7 @@ class InductorCompiler:
             patches["trace.enabled"] = True
             patches["trace.debug_dir"] = os.path.join(dump_dir, "inductor")
             patches["fx_graph_cache"] = False  # a cache hit would write no trace
+        wait_inductor_prewarm()
         static = compile_range.is_single_size
         start = time.perf_counter()
         with pass_context(compile_range=compile_range, piece_index=piece_index,
@@ -166,6 +168,7 @@ class InductorCompiler:
     def load(path: str, cache_dir: str | None = None) -> Any:
         from torch._inductor import CompiledArtifact
 
+        wait_inductor_prewarm()
         with inductor_cache_dir(cache_dir):
             return CompiledArtifact.load(path=path, format="binary")
 
@@ -201,6 +204,36 @@ def inductor_cache_dir(directory: str | None):
     os.makedirs(directory, exist_ok=True)
     with temporary_cache_dir(directory):
         yield
+
+
+_prewarm: threading.Thread | None = None
+
+
+def start_inductor_prewarm() -> None:
+    """Start, in a background thread, what Inductor does once per process before its first
+    CPU compile or load: probing the CPU's vector ISA (it builds and loads a test library per
+    candidate ISA, each in a child process: 1-1.5 s on the dev machines). It then overlaps
+    the weight loading and the Dynamo trace instead of adding to a warm start;
+    `wait_inductor_prewarm()` joins it before the first Inductor call."""
+    global _prewarm
+    if _prewarm is not None:
+        return
+
+    def probe() -> None:
+        try:
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            pick_vec_isa()
+        except Exception as e:  # the real compile will meet (and report) the problem
+            logger.debug("Inductor pre-warm failed: %s", e)
+
+    _prewarm = threading.Thread(target=probe, name="vllm-inductor-prewarm", daemon=True)
+    _prewarm.start()
+
+
+def wait_inductor_prewarm() -> None:
+    if _prewarm is not None:
+        _prewarm.join()
 
 
 def _dynamic_shapes_source(example_inputs: list[Any]) -> str:
