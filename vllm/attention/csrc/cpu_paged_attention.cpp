@@ -178,14 +178,15 @@ inline vf scores_dense(const float* q, int64_t D, const float* k, int64_t k_stri
 
 // Other head sizes: through K^T [D][kKeys], one broadcast FMA per channel.
 inline vf scores_transposed(const float* q, int64_t D, const float* kt) {
-  const vf* ktv = reinterpret_cast<const vf*>(kt);
+  // kt is a std::vector's storage: 4-byte aligned only, so unaligned loads (an aligned vector
+  // dereference faults on AVX2, where the 64-byte vector is split into 32-byte moves).
   vf a0{}, a1{};
   int64_t d = 0;
   for (; d + 2 <= D; d += 2) {
-    a0 += q[d] * ktv[d];
-    a1 += q[d + 1] * ktv[d + 1];
+    a0 += q[d] * load_u(kt + d * kKeys);
+    a1 += q[d + 1] * load_u(kt + (d + 1) * kKeys);
   }
-  for (; d < D; ++d) a0 += q[d] * ktv[d];
+  for (; d < D; ++d) a0 += q[d] * load_u(kt + d * kKeys);
   return a0 + a1;
 }
 
