@@ -1,6 +1,7 @@
-"""`vllm::cpu_prepacked_linear`: the oneDNN-reordered weight gives F.linear's result for every
-row count, a weight changed in place (or never prepacked) falls back to the plain weight,
-and the reordered copy is dropped with its parameter."""
+"""Prepacked weights in the C++ linear dispatcher (`vllm_cpu_linear::linear`): the oneDNN-
+reordered weight gives F.linear's result for every row count, a weight changed in place (or
+never prepacked) falls back to the plain weight, the reordered copy is dropped with its
+parameter; the Python fallback op `vllm::cpu_prepacked_linear` matches too."""
 from __future__ import annotations
 
 import gc
@@ -11,8 +12,12 @@ import torch.nn.functional as F
 
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
-                                reason="needs oneDNN")
+from vllm.model_executor.layers.cpu_linear import linear_route, small_m_linear_available
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available() or not small_m_linear_available(),
+    reason="needs oneDNN and the C++ linear dispatcher")
+linear = torch.ops.vllm_cpu_linear.linear if small_m_linear_available() else None
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 16, 77])
@@ -23,8 +28,11 @@ def test_matches_linear(rows, bias):
     b = torch.randn(48) if bias else None
     assert cpl.prepack(weight)
     x = torch.randn(rows, 32)
-    out = torch.ops.vllm.cpu_prepacked_linear(x, weight, b)
+    assert linear_route(x, weight, b) == ("small_m" if rows <= 4 else "packed")
+    out = linear(x, weight, b)
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.ops.vllm.cpu_prepacked_linear(x, weight, b),
+                               F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
 def test_stale_or_missing_copy_falls_back_and_copies_die_with_the_weight():
@@ -33,12 +41,13 @@ def test_stale_or_missing_copy_falls_back_and_copies_die_with_the_weight():
     gc.collect()  # other tests' models and their copies
     before = cpl.num_prepacked()
     assert cpl.prepack(weight) and cpl.num_prepacked() == before + 1
+    assert linear_route(x, weight) == "packed"
     with torch.no_grad():
         weight.mul_(2)  # in place: the reordered copy is stale
-    torch.testing.assert_close(torch.ops.vllm.cpu_prepacked_linear(x, weight),
-                               F.linear(x, weight))
+    assert linear_route(x, weight) == "onednn"
+    torch.testing.assert_close(linear(x, weight), F.linear(x, weight))
     other = torch.randn(16, 8)  # never prepacked
-    torch.testing.assert_close(torch.ops.vllm.cpu_prepacked_linear(x, other), F.linear(x, other))
+    torch.testing.assert_close(linear(x, other), F.linear(x, other))
     del weight
     gc.collect()
     assert cpl.num_prepacked() == before
@@ -54,8 +63,9 @@ def test_traced_by_the_compiler():
     cpl.prepack(weight)
 
     def f(x):
-        return torch.ops.vllm.cpu_prepacked_linear(x.relu(), weight).sum(-1)
+        return linear(x.relu(), weight, None).sum(-1)
 
-    x = torch.randn(9, 16)
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
-    torch.testing.assert_close(compiled(x), F.linear(x.relu(), weight).sum(-1))
+    compiled = torch.compile(f, backend="inductor", fullgraph=True, dynamic=True)
+    for rows in (9, 2):  # symbolic token count: one compile serves both
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(compiled(x), F.linear(x.relu(), weight).sum(-1))

@@ -49,36 +49,33 @@ def test_bfloat16_dispatch_matches_f_linear():
                                    F.linear(x, w, b).float(), atol=2e-2, rtol=2e-2)
 
 
-def test_routes(monkeypatch):
-    calls = []
-    monkeypatch.setattr(cpu_linear, "small_m_linear_available", lambda: True)
-
-    def small(x, w, b=None):
-        calls.append(("small", x.shape[0]))
-        return F.linear(x, w, b)
-
-    monkeypatch.setattr(cpu_linear, "small_m_linear", small)
-    monkeypatch.setattr(cpu_linear, "onednn_linear_enabled", lambda: True)
-    real = torch.ops.mkldnn._linear_pointwise
-
-    class Spy:
-        def __getattr__(self, name):
-            assert name == "_linear_pointwise"
-
-            def op(x, *args):
-                calls.append(("onednn", x.shape[0]))
-                return real(x, *args)
-            return op
-
-    monkeypatch.setattr(torch.ops, "mkldnn", Spy())
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+def test_routes():
+    """The C++ dispatcher's choice for each kind of product (the same choice `linear` makes)."""
     w = torch.randn(16, 8)
-    monkeypatch.setattr(cpu_linear, "_max_rows_cache", {torch.bfloat16: 4})
-    cpu_linear.dispatch_linear(torch.randn(4, 8), w)  # float32, 4 rows: small-M kernel
-    cpu_linear.dispatch_linear(torch.randn(5, 8), w)  # float32, 5 rows: oneDNN
-    cpu_linear.dispatch_linear(torch.randn(4, 8).bfloat16(), w.bfloat16())  # small-M
-    cpu_linear.dispatch_linear(torch.randn(5, 8).bfloat16(), w.bfloat16())  # F.linear
-    cpu_linear.dispatch_linear(torch.randn(4, 8).double(), w.double())  # F.linear
-    assert calls == [("small", 4), ("onednn", 5), ("small", 4)]
+    f32, bf16 = cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16)
+    route = cpu_linear.linear_route
+    assert route(torch.randn(f32, 8), w) == "small_m"
+    assert route(torch.randn(1, 1, 8), w, torch.randn(16)) == "small_m"
+    assert route(torch.randn(f32 + 1, 8), w) == "onednn"
+    assert route(torch.randn(1, 8), w.t().contiguous().t()) == "onednn"  # weight not dense
+    assert route(torch.randn(1, 8), w, torch.randn(32)[::2]) == "onednn"  # bias not dense
+    assert route(torch.randn(bf16, 8).bfloat16(), w.bfloat16()) == "small_m"
+    assert route(torch.randn(bf16 + 1, 8).bfloat16(), w.bfloat16()) == "aten"
+    assert route(torch.randn(4, 8).double(), w.double()) == "aten"
+    assert route(torch.randn(4, 8), w.double()) == "aten"  # mixed dtypes
+
+
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+def test_dispatcher_is_one_native_call():
+    """Eager products go straight to the C++ op (no Python routing per call)."""
+    w, x = torch.randn(16, 8), torch.randn(2, 8)
+    with torch.profiler.profile() as prof:
+        cpu_linear.dispatch_linear(x, w)
+    names = [e.name for e in prof.events()]
+    assert "vllm_cpu_linear::linear" in names and "vllm_cpu_linear::small_m_linear" not in names
 
 
 def test_env_switch_off(monkeypatch):

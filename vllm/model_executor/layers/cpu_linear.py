@@ -11,13 +11,17 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   with AVX512-BF16 dot products (1.1-1.5x at 8-16 rows).
 
 Other products (bfloat16 with more rows, other dtypes, other devices) keep `F.linear`, and so
-does traced code (torch.compile: Inductor lowers `F.linear` itself). The small-M kernel is built
-at first use (vllm/utils/cpu_kernels.py) and skipped when its build fails.
+does traced code (torch.compile: Inductor lowers `F.linear` itself). The choice is made in C++
+(`vllm_cpu_linear::linear`, csrc/cpu_small_m_linear.cpp: choosing in Python cost ~5 us a call),
+which also serves compiled models as an opaque op (`cpu_linear_op`) and computes with weights
+prepacked for oneDNN (cpu_prepacked_linear.py). The kernels are built at first use
+(vllm/utils/cpu_kernels.py); when the build fails the same routes are taken in Python.
 VLLM_CPU_ONEDNN_LINEAR=0 / VLLM_CPU_SMALL_M_LINEAR=0 turn the two routes off.
 """
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +48,19 @@ def onednn_linear_enabled() -> bool:
 
 
 def small_m_linear_available() -> bool:
-    """Build (first call on this machine) and load the small-M kernel; True when usable."""
-    return load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR")
+    """Build (first call on this machine) and load the C++ linear kernels; True when usable.
+    The first successful load also tells the C++ dispatcher the routing policy."""
+    global _configured
+    if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR"):
+        return False
+    if not _configured:
+        _configured = True
+        torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
+                                            onednn_linear_enabled())
+    return True
 
 
+_configured = False
 _max_rows_cache: dict[torch.dtype, int] = {}
 
 
@@ -55,8 +68,7 @@ def _max_rows(dtype: torch.dtype) -> int:
     rows = _max_rows_cache.get(dtype)
     if rows is None:
         rows = SMALL_M_MAX_ROWS.get(dtype, 0)
-        if (dtype == torch.bfloat16 and small_m_linear_available()
-                and torch.ops.vllm_cpu_linear.has_bf16_dot()):
+        if dtype == torch.bfloat16 and torch.ops.vllm_cpu_linear.has_bf16_dot():
             rows = BF16_DOT_MAX_ROWS
         _max_rows_cache[dtype] = rows
     return rows
@@ -69,24 +81,38 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.vllm_cpu_linear.small_m_linear(x, weight, bias)
 
 
+def linear_route(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> str:
+    """Which kernel `dispatch_linear` picks: "small_m", "packed" (a prepacked oneDNN copy),
+    "onednn", "aten" (F.linear)."""
+    if small_m_linear_available():
+        return torch.ops.vllm_cpu_linear.linear_route(x, weight, bias)
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == x.dtype
+            and onednn_linear_enabled()):
+        return "onednn"
+    return "aten"
+
+
 def dispatch_linear(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` (x [..., K], weight [N, K]), routed as the module docstring
-    says for eager CPU products."""
-    dtype = x.dtype
-    if (x.device.type != "cpu" or weight.dtype != dtype or weight.dim() != 2
-            or weight.layout != torch.strided or x.requires_grad
-            or torch.compiler.is_compiling()):
+    says. Inside traced code it stays `F.linear` (Inductor lowers it itself); compiled models
+    that want the CPU kernels call `cpu_linear_op` instead."""
+    if x.device.type != "cpu" or x.requires_grad or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
-    in_features = x.shape[-1]
-    rows = x.numel() // in_features if in_features else 0
-    if (0 < rows <= _max_rows(dtype) and weight.is_contiguous()
-            and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
-            and small_m_linear_available()):
-        x2 = x.reshape(rows, in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        return small_m_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
-    if dtype == torch.float32 and onednn_linear_enabled():
+    if small_m_linear_available():
+        return torch.ops.vllm_cpu_linear.linear(x, weight, bias)
+    if x.dtype == torch.float32 and weight.dtype == x.dtype and onednn_linear_enabled():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def cpu_linear_op() -> Any:
+    """The op compiled models call for CPU linears, opaque to Dynamo and Inductor: the C++
+    dispatcher `vllm_cpu_linear::linear` (called straight from Inductor's code), or without
+    the C++ build the Python custom op `vllm::cpu_prepacked_linear` around `dispatch_linear`."""
+    if small_m_linear_available():
+        return torch.ops.vllm_cpu_linear.linear
+    from vllm.model_executor.layers.cpu_prepacked_linear import cpu_prepacked_linear
+
+    return cpu_prepacked_linear

@@ -77,9 +77,8 @@ class LinearMethodBase:
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain weights. In a compiled model (-O1..-O3) a float32 CPU product goes through the
-    opaque op `vllm::cpu_prepacked_linear` (layers/cpu_prepacked_linear.py), which runs the
-    eager kernels of `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured
-    slower here); with `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the
+    opaque C++ dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py), the kernels of
+    `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured slower here); with `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the
     weight is also reordered for oneDNN after loading and the op computes with that copy.
     With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
     which folds and prepacks them itself."""
@@ -93,7 +92,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self.compiled = (cc is not None and cc.mode == CompilationMode.VLLM_COMPILE
                          and not cc.freezing)
         self.want_prepack = self.compiled and bool(cc.prepack_linear_weights)
-        self.use_cpu_op = False
+        self.cpu_op: Any = None
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
                        params_dtype, **extra_weight_attrs):
@@ -105,15 +104,16 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
         if self.compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            from vllm.model_executor.layers.cpu_linear import cpu_linear_op
             from vllm.model_executor.layers.cpu_prepacked_linear import prepack
 
-            self.use_cpu_op = True
+            self.cpu_op = cpu_linear_op()
             if self.want_prepack:
                 prepack(weight)
 
     def apply(self, layer, x, bias=None):
-        if self.use_cpu_op:
-            return torch.ops.vllm.cpu_prepacked_linear(x, layer.weight, bias)
+        if self.cpu_op is not None:
+            return self.cpu_op(x, layer.weight, bias)
         return dispatch_linear(x, layer.weight, bias)
 
 

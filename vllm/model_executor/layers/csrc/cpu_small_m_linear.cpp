@@ -3,6 +3,9 @@
 //   torch.ops.vllm_cpu_linear.small_m_linear(x [M, K], weight [N, K], bias [N] or None)
 //       -> y [M, N]
 //   torch.ops.vllm_cpu_linear.has_bf16_dot() -> bool
+//   torch.ops.vllm_cpu_linear.linear(x [..., K], weight [N, K], bias) -> [..., N]
+//       the dispatcher of every CPU linear (end of file): small-M kernel, prepacked oneDNN
+//       weight, oneDNN, aten::linear; `configure`, `set_packed`/`drop_packed`, `linear_route`
 //
 // Decode-shaped products (M = 1..16) are bound by reading the weight. BLAS libraries reach
 // only about half of the memory bandwidth there on the dev machines (bfloat16: ~15 of ~30 GB/s
@@ -24,12 +27,16 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -243,6 +250,155 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
 
 bool has_bf16_dot() { return kBf16Dot; }
 
+// ---- the CPU linear dispatcher -------------------------------------------------------------
+// One C++ entry for every CPU product of the linear layers, eager and compiled: picking the
+// kernel in Python cost ~5 us per call (and a Python custom op around it another ~10 us inside
+// compiled graphs), a third of a batch-1 decode step of a small model.
+
+struct Policy {
+  int64_t f32_small_rows = 4;   // most rows for the small-M kernel, float32
+  int64_t bf16_small_rows = 4;  // same, bfloat16
+  bool onednn = true;           // float32 products with more rows: oneDNN (else aten::linear)
+};
+Policy g_policy;
+
+struct Packed {
+  int64_t version;
+  std::vector<int64_t> sizes;
+  at::Tensor packed;
+};
+std::mutex g_packed_mutex;
+std::unordered_map<const void*, Packed> g_packed;
+
+enum class Route { kSmallM, kPacked, kOneDnn, kAten };
+
+const char* route_name(Route r) {
+  switch (r) {
+    case Route::kSmallM: return "small_m";
+    case Route::kPacked: return "packed";
+    case Route::kOneDnn: return "onednn";
+    default: return "aten";
+  }
+}
+
+at::Tensor find_packed(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> guard(g_packed_mutex);
+  auto it = g_packed.find(weight.data_ptr());
+  if (it == g_packed.end() || it->second.version != weight._version() ||
+      it->second.sizes != weight.sizes().vec())
+    return at::Tensor();
+  return it->second.packed;
+}
+
+int64_t rows_of(const at::Tensor& x) {
+  const int64_t k = x.size(-1);
+  return k ? x.numel() / k : 0;
+}
+
+Route choose(const at::Tensor& x, const at::Tensor& weight,
+             const std::optional<at::Tensor>& bias, at::Tensor* packed) {
+  if (!x.device().is_cpu() || x.dim() < 1 || weight.scalar_type() != x.scalar_type() ||
+      weight.dim() != 2 || weight.layout() != at::kStrided || x.size(-1) != weight.size(1))
+    return Route::kAten;
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool bias_dense = !has_bias || (bias->scalar_type() == x.scalar_type() &&
+                                        bias->dim() == 1 && bias->is_contiguous());
+  const int64_t rows = rows_of(x);
+  const int64_t small = x.scalar_type() == at::kFloat      ? g_policy.f32_small_rows
+                        : x.scalar_type() == at::kBFloat16 ? g_policy.bf16_small_rows
+                                                           : 0;
+  if (rows > 0 && rows <= small && weight.is_contiguous() && bias_dense) return Route::kSmallM;
+  if (x.scalar_type() != at::kFloat) return Route::kAten;
+  at::Tensor p = find_packed(weight);
+  if (p.defined()) {
+    if (packed) *packed = p;
+    return Route::kPacked;
+  }
+  return g_policy.onednn ? Route::kOneDnn : Route::kAten;
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(weight);
+  stack.emplace_back(bias.has_value() && bias->defined() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+std::vector<int64_t> out_sizes(const at::Tensor& x, const at::Tensor& weight) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = weight.size(0);
+  return sizes;
+}
+
+at::Tensor as_rows(const at::Tensor& x) {
+  at::Tensor x2 = x.reshape({rows_of(x), x.size(-1)});
+  return x2.stride(1) == 1 ? x2 : x2.contiguous();
+}
+
+// F.linear(x, weight, bias) for x [..., K], weight [N, K]: the small-M kernel for a few rows,
+// the weight's oneDNN-reordered copy when one is registered and current (float32), oneDNN on
+// the plain weight (float32), aten::linear otherwise.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  at::Tensor packed;
+  switch (choose(x, weight, bias, &packed)) {
+    case Route::kSmallM:
+      return small_m_linear(as_rows(x), weight, bias).view(out_sizes(x, weight));
+    case Route::kPacked: {
+      at::Tensor x2 = x.reshape({rows_of(x), x.size(-1)}).contiguous();
+      return onednn_linear(x2, packed, bias).view(out_sizes(x, weight));
+    }
+    case Route::kOneDnn:
+      return onednn_linear(x, weight, bias);
+    default:
+      return at::linear(x, weight, bias);
+  }
+}
+
+std::string linear_route(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  return route_name(choose(x, weight, bias, nullptr));
+}
+
+void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn) {
+  g_policy = Policy{f32_small_rows, bf16_small_rows, onednn};
+}
+
+// Keep `packed` (the oneDNN reorder of `weight`) for products with `weight` while the weight
+// keeps its storage, shape and version (an in-place change makes the copy stale: not used).
+int64_t set_packed(const at::Tensor& weight, const at::Tensor& packed) {
+  std::lock_guard<std::mutex> guard(g_packed_mutex);
+  g_packed[weight.data_ptr()] = Packed{weight._version(), weight.sizes().vec(), packed};
+  return reinterpret_cast<int64_t>(weight.data_ptr());
+}
+
+void drop_packed(int64_t key) {
+  std::lock_guard<std::mutex> guard(g_packed_mutex);
+  g_packed.erase(reinterpret_cast<const void*>(key));
+}
+
+int64_t num_packed() {
+  std::lock_guard<std::mutex> guard(g_packed_mutex);
+  return static_cast<int64_t>(g_packed.size());
+}
+
+// Shapes for the compiler's fake tensors (symbolic token counts included).
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  std::vector<c10::SymInt> sizes = x.sym_sizes().vec();
+  sizes.back() = weight.sym_size(0);
+  return at::empty_symint(sizes, x.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_cpu_linear, m) {
@@ -250,4 +406,12 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.impl("small_m_linear", c10::DispatchKey::CPU, &small_m_linear);
   // Whether bfloat16 products of 3+ rows use AVX512-BF16 dot products.
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, &linear);
+  m.impl("linear", c10::DispatchKey::Meta, &linear_meta);
+  m.def("linear_route(Tensor x, Tensor weight, Tensor? bias=None) -> str", &linear_route);
+  m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn) -> ()", &configure);
+  m.def("set_packed(Tensor weight, Tensor packed) -> int", &set_packed);
+  m.def("drop_packed(int key) -> ()", &drop_packed);
+  m.def("num_packed() -> int", &num_packed);
 }
