@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
-
 from vllm.model_executor.layers.cpu_linear import linear_route, small_m_linear_available
 
 pytestmark = pytest.mark.skipif(

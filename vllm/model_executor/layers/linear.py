@@ -78,8 +78,8 @@ class LinearMethodBase:
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain weights. In a compiled model (-O1..-O3) a float32 CPU product goes through the
     opaque C++ dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py), the kernels of
-    `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured slower here); with `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the
-    weight is also reordered for oneDNN after loading and the op computes with that copy.
+    `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured slower here); with
+    `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the weight is also reordered for oneDNN after loading and the op computes with that copy.
     With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
     which folds and prepacks them itself."""
 
