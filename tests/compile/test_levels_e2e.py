@@ -26,6 +26,7 @@ except ImportError:  # tests/ itself on sys.path
 from vllm import LLM, SamplingParams
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.monitor import STANDARD_PHASES
+from vllm.config.vllm import ATTENTION_OPS
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
 
 MAKERS = {"llama": make_llama, "qwen3": make_qwen3, "mixtral": make_mixtral}
@@ -137,20 +138,24 @@ SIZES = [1, 2, 4, 8, 16]
     ("mixtral", 2, None),
 ])
 def test_level_matches_o0_eager_backend(checkpoints, model, level, sizes, caplog):
-    """`sizes`: explicit per-size static compiles (O3's switch, which the CPU turns off)."""
+    """`sizes`: explicit per-size static compiles (O3's switch, which the CPU turns off).
+    Pieces: one per stretch between attention layers (NUM_LAYERS + 1 compiled, NUM_LAYERS
+    attention pieces), except at -O3 on the CPU, which compiles the whole graph as one."""
     tokens0, logprobs0 = reference(checkpoints, model)
-    compiled = NUM_LAYERS + 1
+    whole_graph = level == 3
+    compiled = 1 if whole_graph else NUM_LAYERS + 1
     extra = {} if sizes is None else {"compile_sizes": sizes}
     gc.collect()  # earlier engines' prepacked copies go with them
     prepacked = cpl.num_prepacked()
     with compilation_counter.expect(
             num_models_seen=1, num_graphs_seen=1, num_recompiles=0,
-            num_piecewise_graphs_seen=2 * NUM_LAYERS + 1,
+            num_piecewise_graphs_seen=1 if whole_graph else 2 * NUM_LAYERS + 1,
             num_piecewise_capturable_graphs_seen=compiled,
             num_backend_compilations=compiled * (1 + len(sizes or []))):
         llm, wall = build(checkpoints(model), level, caplog, backend="eager", **extra)
     cc = llm.llm_engine.vllm_config.compilation_config
     assert cc.compile_sizes == (sizes or [])
+    assert cc.splitting_ops == ([] if whole_graph else ATTENTION_OPS)
     # -O2/-O3 on the CPU: every linear of the decoder layers has a oneDNN-prepacked copy.
     linears = 4 if model != "mixtral" else 3  # qkv, o, gate_up, down (Mixtral: MoE, gate)
     assert cpl.num_prepacked() - prepacked == (NUM_LAYERS * linears if level >= 2 else 0)
@@ -186,6 +191,24 @@ def test_inductor_o2_matches_o0(checkpoints, caplog, tmp_path):
     assert all(e["backend"] == "inductor" and e["cache"] in ("hit", "miss", "off")
                for e in events)
     assert "compile cache: " in caplog.text
+    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0,
+                                    num_recompiles=0):
+        tokens, logprobs = run(llm)
+    assert tokens == tokens0
+    assert_logprobs_close(logprobs, logprobs0, atol=2e-4)
+    llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_inductor_o3_whole_graph_matches_o0(checkpoints, caplog, tmp_path):
+    """CPU -O3: attention (a mutating custom op) inside one Inductor graph."""
+    tokens0, logprobs0 = reference(checkpoints, "qwen3")
+    with compilation_counter.expect(num_graphs_seen=1, num_recompiles=0,
+                                    num_piecewise_graphs_seen=1,
+                                    num_piecewise_capturable_graphs_seen=1):
+        llm, wall = build(checkpoints("qwen3"), 3, caplog, backend="inductor",
+                          cache_dir=str(tmp_path / "compile_cache"))
+    check_startup_table(llm, wall, caplog)
     with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0,
                                     num_recompiles=0):
         tokens, logprobs = run(llm)

@@ -60,6 +60,24 @@ class CpuPlatform(Platform):
                                      "the fused all-reduce + RMSNorm kernel needs CUDA")
         self._note_fusion_measurements(vllm_config)
         self._narrow_o3_switches(vllm_config)
+        self._whole_graph_at_o3(vllm_config)
+
+    @staticmethod
+    def _whole_graph_at_o3(vllm_config: VllmConfig) -> None:
+        """O3 on the CPU compiles the model as one Inductor graph (attention inside, as an
+        opaque op) instead of one piece per stretch between attention layers: without CUDA
+        graphs nothing needs the pieces, and each piece boundary costs a Python call through
+        the split module per layer. The price is start-up: identical layers no longer share
+        one compiled piece, so a cold compile grows with the depth of the model. Splitting
+        ops the user gave are kept."""
+        from vllm.config.compilation import CompilationMode
+
+        cc = vllm_config.compilation_config
+        if (int(vllm_config.optimization_level) < 3 or cc.mode != CompilationMode.VLLM_COMPILE
+                or cc.splitting_ops is not None or cc.use_inductor_graph_partition):
+            return
+        vllm_config.platform_set("compilation_config.splitting_ops", [],
+                                 f"O3 on the CPU: whole-graph compile ({CPU_O3_WHOLE_GRAPH})")
 
     @staticmethod
     def _narrow_o3_switches(vllm_config: VllmConfig) -> None:
@@ -94,6 +112,10 @@ CPU_FUSION_MEASUREMENTS = {
     "fuse_act_quant": "fused op 1.22-1.87x faster; model decode 0.94x/1.37x",
     "fuse_attn_quant": "model decode 1.07x/0.95x (within noise)",
 }
+
+
+# O3's whole-graph compile against O2's pieces, same method (benchmarks/results/cpu_levels.md).
+CPU_O3_WHOLE_GRAPH = "decode x1.23 / x1.10 over O2's pieces at batch 1 / 16 on the demo model"
 
 
 # The O3 switches against O2 on the CPU, measured on the demo model (float32, 2 cores, paired
