@@ -158,7 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm.entrypoints.openai.api_server import (
         _uvicorn_server_class,
         bind_socket,
-        format_phase_table,
     )
 
     parser = make_parser()
@@ -173,10 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
         parser.error(str(exc))
     try:
-        phases = engine.startup_phases
-        if phases:
-            logger.info("Start-up phases:\n%s", format_phase_table(phases))
-        app = build_app(engine)
+        app = build_app(engine)  # the engine logged its start-up phase table
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level, timeout_keep_alive=5,
                                 timeout_graceful_shutdown=5)

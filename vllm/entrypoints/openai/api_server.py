@@ -277,14 +277,6 @@ def _uvicorn_server_class() -> type:
     return GracefulServer
 
 
-def format_phase_table(phases: dict[str, float]) -> str:
-    width = max(len(p) for p in phases)
-    total = sum(phases.values())
-    lines = [f"  {p:<{width}}  {s:8.2f} s" for p, s in phases.items()]
-    lines.append(f"  {'total':<{width}}  {total:8.2f} s")
-    return "\n".join(lines)
-
-
 def bind_socket(host: str, port: int) -> socket.socket:
     """Reserve host:port before the (slow) engine start, so a taken port fails at once.
     It listens only once uvicorn serves, so /health is refused until the model is ready.
@@ -324,9 +316,7 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         raise
     try:
-        phases = engine.startup_phases
-        if phases:
-            logger.info("Start-up phases:\n%s", format_phase_table(phases))
+        # (the engine logged its start-up phase table when it became ready)
         app = build_app(engine, [served], api_key=api_key, metrics=metrics)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
