@@ -177,6 +177,7 @@ MODEL_SCRIPT = textwrap.dedent("""
     c = compilation_counter
     print(json.dumps({"inductor": c.num_inductor_compiles, "hits": c.num_cache_hits,
                       "misses": c.num_cache_misses, "corrupt": c.num_cache_corrupt,
+                      "traces": c.num_graphs_seen, "loaded": c.num_graphs_loaded,
                       "outs": outs}))
 """)
 
@@ -222,6 +223,7 @@ def test_warm_start_in_new_processes(tmp_path):
     c, err_c = _finish(_start(tmp_path, "c", kv_memory="2GiB"))
     _skip_if_source_changed(err_a, err_c)
     assert (c["inductor"], c["hits"], c["misses"]) == (0, 2, 0), err_c[-4000:]
+    assert (c["traces"], c["loaded"]) == (0, 1)  # the traced graph came from the cache too
     assert c["outs"] == a["outs"]
     assert "compile cache: hit" in err_c
 
@@ -233,5 +235,6 @@ def test_warm_start_in_new_processes(tmp_path):
     d, err_d = _finish(_start(tmp_path, "d"))
     _skip_if_source_changed(err_a, err_d)
     assert (d["inductor"], d["hits"], d["corrupt"]) == (1, 1, 1)
+    assert (d["traces"], d["loaded"]) == (1, 0)  # a piece to compile: traced with Dynamo
     assert f"corrupt entry {artifact}" in err_d
     assert d["outs"] == a["outs"]

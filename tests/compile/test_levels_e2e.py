@@ -115,7 +115,10 @@ def build(path: str, level: int, caplog, **compilation) -> tuple[LLM, float]:
 def check_startup_table(llm: LLM, wall: float, caplog) -> None:
     engine = llm.llm_engine
     phases = engine.startup_phases
-    assert list(phases)[:len(STANDARD_PHASES)] == list(STANDARD_PHASES)
+    # The standard phases in order ("graph loading" may come between them, after "dynamo
+    # tracing", when the compile cache was looked at for a traced graph).
+    assert [p for p in phases if p != "graph loading"][:len(STANDARD_PHASES)] == \
+        list(STANDARD_PHASES)
     assert "other" in phases
     # The rows add up to the engine's wall time, which is the caller's within 5%.
     assert sum(phases.values()) == pytest.approx(engine.startup_seconds, rel=1e-6)

@@ -168,6 +168,15 @@ class VllmBackend:
         self.split_gm: fx.GraphModule | None = None
         self.pieces: list[SplitItem] = []
         self.timer = get_startup_timer()
+        self.traced_files: list[str] = []
+        # For saving the traced graph (graph_cache.py): the Dynamo graph's input sources, the
+        # split module as pickled before its pieces were replaced, the compiled pieces and the
+        # graph outputs of the first call.
+        self.graph_sources: list[str] | None = None
+        self.graph_kinds: list[str] = []
+        self.split_pickle: bytes | None = None
+        self.piece_backends: list[PiecewiseBackend] = []
+        self.output_recorder: FirstOutputRecorder | None = None
 
     # ---- Dynamo entry point ------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -187,6 +196,7 @@ class VllmBackend:
         with _stage("split", self.dumper):
             split_gm, items = split_graph(gm, self.splitting_ops)
         self.split_gm, self.pieces = split_gm, items
+        self.piece_backends = []
         compilation_counter.num_piecewise_graphs_seen += len(items)
         compilation_counter.num_piecewise_capturable_graphs_seen += sum(
             not item.is_splitting for item in items)
@@ -196,34 +206,75 @@ class VllmBackend:
             kind = "splitting op, runs eagerly" if item.is_splitting else "compiled"
             self.dumper.dump_graph(f"piece_{item.index}.py", item.graph,
                                    f"piece {item.index} ({item.name}): {kind}")
+        if self.cache is not None and not self.frozen:
+            from vllm.compilation.graph_cache import capture_graph
+
+            capture_graph(self, gm, split_gm)
         with _stage("fake propagation through the pieces", self.dumper):
             piece_inputs = _inputs_from_meta(items) or \
                 _PieceInputRecorder(split_gm).record(_fake_inputs(example_inputs))
-        cudagraph_mode = self.vllm_config.compilation_config.cudagraph_mode
-        freeze = self.compiler.name == "inductor" and bool(
-            self.vllm_config.compilation_config.freezing)
-        for item in items:
-            if item.is_splitting:
-                # Call the graph's code directly: nn.Module.__call__ costs microseconds a call.
-                split_gm.__dict__[item.name] = item.graph.forward
-                continue
-            constants = _parameter_inputs(split_gm, item.name, example_inputs) if freeze else None
-            runnable: Callable = PiecewiseBackend(item.graph, item.index,
-                                                  piece_inputs[item.name], self, constants)
-            if cudagraph_mode is not None and cudagraph_mode.has_piecewise_cudagraphs():
-                runnable = CUDAGraphWrapper(runnable, self.vllm_config, CUDAGraphMode.PIECEWISE)
-            # Shadow the submodule: the split module's code looks it up as an attribute.
-            split_gm.__dict__[item.name] = runnable
-        if _deferred_reports is not None:
-            _deferred_reports.append(self)
-        else:
-            self.report_cache()
+
+        def make_piece(item: SplitItem) -> PiecewiseBackend:
+            constants = _parameter_inputs(split_gm, item.name, example_inputs) \
+                if self.frozen else None
+            return PiecewiseBackend(item.graph, item.index, piece_inputs[item.name], self,
+                                    constants)
+
+        self.install_pieces(split_gm, items, make_piece)
+        self.report_when_done()
         elapsed = time.perf_counter() - start
         logger.info("Compiled %d pieces (%d split at %s) with backend %s in %.2f s",
                     len(items), sum(i.is_splitting for i in items), self.splitting_ops or "nothing",
                     self.compiler.name, elapsed)
         self.pass_manager.log_match_counts()
+        if self.graph_sources is not None:
+            self.output_recorder = FirstOutputRecorder(split_gm.forward)
+            return self.output_recorder
         return split_gm.forward
+
+    def install_pieces(self, split_gm: fx.GraphModule, items: list[SplitItem],
+                       make_piece: Callable[[SplitItem], PiecewiseBackend]) -> None:
+        """Put each piece's runnable in place of its submodule: splitting pieces run their
+        graph's code, the others a `make_piece(item)` (in a CUDA-graph wrapper when piecewise
+        CUDA graphs are on)."""
+        cudagraph_mode = self.vllm_config.compilation_config.cudagraph_mode
+        for item in items:
+            if item.is_splitting:
+                # Call the graph's code directly: nn.Module.__call__ costs microseconds a call.
+                split_gm.__dict__[item.name] = item.graph.forward
+                continue
+            piece = make_piece(item)
+            self.piece_backends.append(piece)
+            runnable: Callable = piece
+            if cudagraph_mode is not None and cudagraph_mode.has_piecewise_cudagraphs():
+                runnable = CUDAGraphWrapper(runnable, self.vllm_config, CUDAGraphMode.PIECEWISE)
+            # Shadow the submodule: the split module's code looks it up as an attribute.
+            split_gm.__dict__[item.name] = runnable
+
+    def restore(self, split_gm: fx.GraphModule, saved_items: list[dict[str, Any]]
+                ) -> Callable:
+        """The runnable from a split module and its pieces' saved info, every compiled piece
+        loaded from the compile cache (graph_cache.py: a warm start without Dynamo)."""
+        items = [SplitItem(i["index"], i["name"], i["splitting"], getattr(split_gm, i["name"]))
+                 for i in saved_items]
+        info = {i["index"]: i.get("piece") for i in saved_items}
+        self.split_gm, self.pieces, self.piece_backends = split_gm, items, []
+
+        def make_piece(item: SplitItem) -> PiecewiseBackend:
+            saved = info[item.index]
+            loaded = {Range(s, e): self.load_cached_piece(item.index, Range(s, e), key)
+                      for s, e, key in saved["ranges"]}
+            return PiecewiseBackend.restore(item.graph, saved, self, loaded)
+
+        self.install_pieces(split_gm, items, make_piece)
+        return split_gm.forward
+
+    def report_when_done(self) -> None:
+        """The compile-cache line now, or at the end of `deferred_cache_reports()`."""
+        if _deferred_reports is not None:
+            _deferred_reports.append(self)
+        else:
+            self.report_cache()
 
     def report_cache(self) -> None:
         """Log "compile cache: hit|miss ... in <dir>" for what this backend compiled/loaded."""
@@ -242,33 +293,76 @@ class VllmBackend:
         if reason is not None:
             logger.info("compile cache: disabled (%s)", reason)
             return
-        files = self.model_source_files + traced_source_files(gm)
+        self.traced_files = traced_source_files(gm)
+        files = self.model_source_files + self.traced_files
         self.cache = CompileCache.for_model(self.vllm_config, files, self.pass_manager.uuid(),
                                             self.rank)
         logger.info("compile cache: using %s", self.cache.directory)
 
     # ---- one piece, one range or size ----------------------------------------------------
+    @staticmethod
+    def piece_key(gm: fx.GraphModule | None, example_inputs: list[Any], compile_range: Range,
+                  digest: str | None = None) -> str:
+        """The compile-cache key of one piece compile (`digest`: `graph_digest(gm)`)."""
+        return graph_hash(gm, example_inputs, digest) + "|" + str(compile_range)
+
     def compile_piece(self, gm: fx.GraphModule, example_inputs: list[Any], piece_index: int,
-                      compile_range: Range) -> Callable:
+                      compile_range: Range, digest: str | None = None) -> Callable:
         compilation_counter.num_backend_compilations += 1
         tag = compile_range.tag
-        name = f"piece_{piece_index}.{tag}.bin"
+        name = self.piece_entry(piece_index, compile_range)
         dump_dir = self.dumper.piece_dir(piece_index, tag)
-        key = graph_hash(gm, example_inputs) + "|" + str(compile_range)
+        key = self.piece_key(gm, example_inputs, compile_range, digest)
         # Pieces with the same code and input shapes (the middle decoder layers: the weights
         # are inputs) share one compiled callable: compiled or loaded once.
-        shareable = self.compiler.name == "inductor" and not self.frozen and dump_dir is None
-        if shareable and key in self._shared:
-            first, runnable = self._shared[key]
-            compilation_counter.num_shared_piece_compiles += 1
-            self.timer.record("inductor compilation", 0.0, piece=piece_index, range=tag,
-                              backend=self.compiler.name, cache=f"shared with piece {first}")
-            return runnable
+        shareable = self._shareable(dump_dir)
+        shared = self._shared_runnable(key, piece_index, tag) if shareable else None
+        if shared is not None:
+            return shared
         runnable = self._compile_or_load(gm, example_inputs, piece_index, compile_range, key,
                                          name, dump_dir)
         if shareable:
             self._shared[key] = (piece_index, runnable)
         return runnable
+
+    def _shareable(self, dump_dir: str | None = None) -> bool:
+        return self.compiler.name == "inductor" and not self.frozen and dump_dir is None
+
+    def _shared_runnable(self, key: str, piece_index: int, tag: str) -> Callable | None:
+        if key not in self._shared:
+            return None
+        first, runnable = self._shared[key]
+        compilation_counter.num_shared_piece_compiles += 1
+        self.timer.record("inductor compilation", 0.0, piece=piece_index, range=tag,
+                          backend=self.compiler.name, cache=f"shared with piece {first}")
+        return runnable
+
+    def piece_entry(self, piece_index: int, compile_range: Range) -> str:
+        return f"piece_{piece_index}.{compile_range.tag}.bin"
+
+    def load_cached_piece(self, piece_index: int, compile_range: Range, key: str
+                          ) -> Callable:
+        """A piece compile from the compile cache only (warm start without Dynamo; the caller
+        checked that the entry is there): shared like `compile_piece`, counted as a backend
+        compilation and a cache hit. Raises when it cannot be loaded."""
+        assert self.cache is not None and self._shareable()
+        compilation_counter.num_backend_compilations += 1
+        tag = compile_range.tag
+        shared = self._shared_runnable(key, piece_index, tag)
+        if shared is not None:
+            return shared
+        name = self.piece_entry(piece_index, compile_range)
+        with self.cache.lock(), self.timer.phase(
+                "inductor compilation", piece=piece_index, range=tag, backend="inductor",
+                cache="hit") as info:
+            path = self.cache.lookup(name, key)
+            if path is None:
+                info["cache"] = "missing"
+                raise FileNotFoundError(f"{name} is missing or damaged")
+            artifact = self.compiler.load(path, self.cache.inductor_cache_dir)
+        self.cache.record(name, hit=True)
+        self._shared[key] = (piece_index, artifact)
+        return artifact
 
     def _compile_or_load(self, gm: fx.GraphModule, example_inputs: list[Any],
                          piece_index: int, compile_range: Range, key: str, name: str,
@@ -349,6 +443,22 @@ def _parameter_inputs(split_gm: fx.GraphModule, name: str, example_inputs: list[
         if i is not None and isinstance(example_inputs[i], torch.nn.Parameter):
             constants[position] = example_inputs[i]
     return constants
+
+
+class FirstOutputRecorder:
+    """What Dynamo calls: the split module, keeping the graph outputs of the first call (for
+    mapping the forward's return value onto them when the traced graph is saved)."""
+
+    def __init__(self, forward: Callable) -> None:
+        self.forward = forward
+        self.outputs: Any = None
+        self.recording = True
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.forward(*args)
+        if self.recording:
+            self.outputs, self.recording = out, False
+        return out
 
 
 def traced_source_files(gm: fx.GraphModule) -> list[str]:

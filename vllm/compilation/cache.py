@@ -143,6 +143,8 @@ class CompileCache:
         self._lock_fd: int | None = None
         self.hits: list[str] = []
         self.misses: list[str] = []
+        self.graph_loaded = False
+        """The traced graph came from this entry too (graph_cache.py: Dynamo not run)."""
 
     @classmethod
     def for_model(cls, vllm_config: VllmConfig, model_source_files: list[str],
@@ -277,5 +279,7 @@ class CompileCache:
             logger.info("compile cache: miss (%d compiled, %d loaded) in %s", len(self.misses),
                         len(self.hits), self.directory)
         elif self.hits:
-            logger.info("compile cache: hit (%d artifacts loaded, Inductor not run) in %s",
-                        len(self.hits), self.directory)
+            what = ("artifacts and the traced graph loaded: Dynamo and Inductor" if
+                    self.graph_loaded else "artifacts loaded, Inductor")
+            logger.info("compile cache: hit (%d %s not run) in %s", len(self.hits), what,
+                        self.directory)

@@ -56,10 +56,18 @@ def _canonical_graph(gm: fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def graph_hash(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
-    """Identity of a piece compile: its operations (names aside) and the shapes/dtypes it is
-    compiled for."""
-    h = hashlib.sha256(_canonical_graph(gm).encode())
+def graph_digest(gm: fx.GraphModule) -> str:
+    """The piece's operations (names aside), hashed: what `graph_hash` builds on. A graph
+    loaded from the compile cache (re-traced from its code, so its nodes may differ in
+    form) is keyed by the digest saved with it."""
+    return hashlib.sha256(_canonical_graph(gm).encode()).hexdigest()
+
+
+def graph_hash(gm: fx.GraphModule | None, example_inputs: list[Any],
+               digest: str | None = None) -> str:
+    """Identity of a piece compile: its operations (names aside; `digest` when known) and the
+    shapes/dtypes it is compiled for."""
+    h = hashlib.sha256((digest or graph_digest(gm)).encode())
     for arg in example_inputs:
         if isinstance(arg, torch.Tensor):
             h.update(f"{tuple(arg.shape)}|{arg.stride()}|{arg.dtype}|{arg.device};".encode())

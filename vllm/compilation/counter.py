@@ -15,6 +15,10 @@ class CompilationCounter:
     """Models built with compilation on (one per `@support_torch_compile` instance)."""
     num_graphs_seen: int = 0
     """Dynamo graphs handed to a backend (one per model unless it recompiles)."""
+    num_graphs_loaded: int = 0
+    """Traced graphs loaded from the compile cache instead (a warm start: Dynamo not run)."""
+    num_graphs_saved: int = 0
+    """Traced graphs saved into the compile cache (for warm starts without Dynamo)."""
     num_piecewise_graphs_seen: int = 0
     """Pieces after splitting, splitting-op pieces included."""
     num_piecewise_capturable_graphs_seen: int = 0

@@ -14,6 +14,10 @@ Dynamo, dim 0 of every tensor argument marked dynamic (override with
 Later traces (a guard failed) are recompiles: counted, logged as a warning, and an error
 with VLLM_TEST_FAIL_ON_RECOMPILE=1 (tests) or in DYNAMO_TRACE_ONCE.
 
+In VLLM_COMPILE with the compile cache on, the first trace also saves the traced graph in the
+cache; a later start with the same key loads it and calls the compiled pieces without Dynamo
+(graph_cache.py), and traces with Dynamo as above when it cannot.
+
 Contract for the model: load the weights before the first forward (with Inductor freezing the
 weights are folded into the compiled code then), keep forward free of host syncs, and run it
 under `torch.inference_mode()` / `no_grad()`.
@@ -110,6 +114,10 @@ class _CompileState:
         self.compiled: Callable | None = None
         self.num_traces = 0
         self.vllm_backend: Any = None
+        self.cached_graph: Any = None
+        """The runnable loaded from the compile cache (graph_cache.py), while it serves."""
+        self._graph_load_tried = False
+        self._save_graph = True
         compilation_counter.num_models_seen += 1
 
     @classmethod
@@ -128,11 +136,7 @@ class _CompileState:
     # ---- the backend Dynamo sees --------------------------------------------------------
     def _make_backend(self) -> Callable:
         if self.mode == CompilationMode.VLLM_COMPILE:
-            from vllm.compilation.backends import VllmBackend
-
-            self.vllm_backend = VllmBackend(self.vllm_config,
-                                            _model_source_files(self.model_ref))
-            inner: Callable = self.vllm_backend
+            inner: Callable = self._vllm_backend()
         else:
             inner = _torch_backend(self.vllm_config)
 
@@ -147,6 +151,14 @@ class _CompileState:
             return result
 
         return backend
+
+    def _vllm_backend(self) -> Any:
+        if self.vllm_backend is None:
+            from vllm.compilation.backends import VllmBackend
+
+            self.vllm_backend = VllmBackend(self.vllm_config,
+                                            _model_source_files(self.model_ref))
+        return self.vllm_backend
 
     def _on_recompile(self, gm: torch.fx.GraphModule) -> None:
         compilation_counter.num_recompiles += 1
@@ -185,6 +197,16 @@ class _CompileState:
                 torch._dynamo.mark_dynamic(value, dim % value.dim())
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        cached = self.cached_graph
+        if cached is not None:
+            from vllm.compilation.graph_cache import GuardMismatch
+
+            try:
+                return cached(args, kwargs)
+            except GuardMismatch as e:
+                self._leave_cached_graph(str(e))
+            except Exception as e:
+                _reraise(e, None)
         if self.compiled is not None and self.num_traces > 0:
             try:
                 return self.compiled(*args, **kwargs)
@@ -192,11 +214,25 @@ class _CompileState:
                 _reraise(e, None)
         return self._first_call(args, kwargs)
 
+    def _leave_cached_graph(self, reason: str) -> None:
+        self.cached_graph, self._save_graph = None, False
+        logger.warning("%s.forward was called with arguments the graph loaded from the compile "
+                       "cache does not serve (%s): tracing with Dynamo",
+                       type(self.model_ref).__name__, reason)
+
     def _first_call(self, args: tuple, kwargs: dict) -> Any:
+        bound = self.signature.bind(self.model_ref, *args, **kwargs)
+        if self.mode == CompilationMode.VLLM_COMPILE and not self._graph_load_tried:
+            self._graph_load_tried = True
+            from vllm.compilation.graph_cache import load_graph
+
+            self.cached_graph = load_graph(self._vllm_backend(), self.model_ref,
+                                           self.signature, self.original_forward, bound)
+            if self.cached_graph is not None:
+                return self(args, kwargs)
         timer = get_startup_timer()
         start = time.perf_counter()
         backend_before = timer.seconds("inductor compilation")
-        bound = self.signature.bind(self.model_ref, *args, **kwargs)
         self._mark_dynamic(bound)
         if self.compiled is None:
             method = types.MethodType(_own_code_copy(self.original_forward), self.model_ref)
@@ -212,6 +248,11 @@ class _CompileState:
                 output = self.compiled(*args, **kwargs)
         except Exception as e:
             _reraise(e, "dynamo trace")
+        if self.vllm_backend is not None and self._save_graph and self.num_traces == 1:
+            from vllm.compilation.graph_cache import save_graph
+
+            self._save_graph = False
+            save_graph(self.vllm_backend, self.model_ref, self.signature, bound, output)
         compile_seconds = timer.seconds("inductor compilation") - backend_before
         timer.record("dynamo tracing", time.perf_counter() - start - compile_seconds,
                      model=type(self.model_ref).__name__)

@@ -34,6 +34,8 @@ STANDARD_PHASES = (
     "warm-up",
 )
 OTHER = "other"
+# Phases listed only when they happened, at their place in start-up order.
+_ORDER = STANDARD_PHASES[:3] + ("graph loading",) + STANDARD_PHASES[3:]
 
 
 class StartupTimer:
@@ -77,7 +79,8 @@ class StartupTimer:
         """phase -> seconds: every standard phase (0.0 when it did not happen), then the other
         phases recorded, then "other" = `wall_seconds` minus their sum (when given)."""
         recorded = self.phases()
-        names = list(STANDARD_PHASES) + [n for n in recorded if n not in STANDARD_PHASES]
+        names = [n for n in _ORDER if n in STANDARD_PHASES or n in recorded]
+        names += [n for n in recorded if n not in names]
         result = {name: max(self.seconds(name), 0.0) for name in names}
         if wall_seconds is not None:
             result[OTHER] = max(wall_seconds - sum(result.values()), 0.0)
@@ -86,8 +89,8 @@ class StartupTimer:
     def phases(self) -> list[str]:
         with self._lock:
             names = list(dict.fromkeys(n for n, _, _ in self._events))
-        known = [p for p in STANDARD_PHASES if p in names]
-        return known + [n for n in names if n not in STANDARD_PHASES]
+        known = [p for p in _ORDER if p in names]
+        return known + [n for n in names if n not in _ORDER]
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:

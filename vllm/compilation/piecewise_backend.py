@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from vllm.compilation.compiler_interface import graph_digest
 from vllm.compilation.inductor_pass import Range
 from vllm.logger import init_logger
 
@@ -79,33 +80,71 @@ class PiecewiseBackend:
     """Callable standing in for one split submodule of the model graph.
 
     `constant_inputs` (piece input position -> tensor, the weights when Inductor freezing is
-    on) become attributes of the compiled graph and are dropped from the call's arguments."""
+    on) become attributes of the compiled graph and are dropped from the call's arguments.
+    `restore` rebuilds one from `saved_info()` and the compile cache, without example
+    inputs (a warm start that skips Dynamo)."""
 
     def __init__(self, gm: fx.GraphModule, piece_index: int, example_inputs: list[Any],
                  vllm_backend: VllmBackend,
                  constant_inputs: dict[int, torch.Tensor] | None = None) -> None:
-        gm, self.single_output = with_tuple_output(gm)
-        self.keep: list[int] | None = None
+        gm, single_output = with_tuple_output(gm)
+        keep: list[int] | None = None
         if constant_inputs:
             gm = inputs_to_constants(gm, constant_inputs)
-            self.keep = [i for i in range(len(example_inputs)) if i not in constant_inputs]
-            example_inputs = [example_inputs[i] for i in self.keep]
+            keep = [i for i in range(len(example_inputs)) if i not in constant_inputs]
+            example_inputs = [example_inputs[i] for i in keep]
+        self._setup(gm, piece_index, vllm_backend, single_output,
+                    find_token_locator(example_inputs), graph_digest(gm), keep)
+        self.range_keys: dict[Range, str] = {}
+        for compile_range in self.ranges:
+            self.range_keys[compile_range] = vllm_backend.piece_key(
+                gm, example_inputs, compile_range, self.digest)
+            self.range_runnables[compile_range] = vllm_backend.compile_piece(
+                gm, example_inputs, piece_index, compile_range, self.digest)
+
+    def _setup(self, gm: fx.GraphModule, piece_index: int, vllm_backend: VllmBackend,
+               single_output: bool, locator: tuple[int, int | None] | None, digest: str,
+               keep: list[int] | None) -> None:
         self.gm = gm
         self.piece_index = piece_index
         self.vllm_backend = vllm_backend
-        self.locator = find_token_locator(example_inputs)
+        self.single_output = single_output
+        self.locator = locator
+        self.digest = digest
+        self.keep = keep
         cc = vllm_backend.vllm_config.compilation_config
         self.ranges: list[Range] = list(vllm_backend.compile_ranges)
-        self.compile_sizes: set[int] = set(cc.compile_sizes or []) if self.locator else set()
+        self.compile_sizes: set[int] = set(cc.compile_sizes or []) if locator else set()
         self.range_runnables: dict[Range, Callable] = {}
         self.size_runnables: dict[int, Callable] = {}
         self._warned_outside = False
-        if self.locator is None:
+        if locator is None:
             # Nothing depends on the token count: one compile serves every batch.
             self.ranges = self.ranges[-1:]
-        for compile_range in self.ranges:
-            self.range_runnables[compile_range] = vllm_backend.compile_piece(
-                gm, example_inputs, piece_index, compile_range)
+
+    def saved_info(self) -> dict[str, Any]:
+        """What `restore` needs (plain data: saved with the traced graph)."""
+        return {"index": self.piece_index, "single_output": self.single_output,
+                "locator": list(self.locator) if self.locator else None,
+                "digest": self.digest, "keep": self.keep,
+                "ranges": [[r.start, r.end, self.range_keys[r]] for r in self.ranges]}
+
+    @classmethod
+    def restore(cls, gm: fx.GraphModule, info: dict[str, Any], vllm_backend: VllmBackend,
+                loaded: dict[Range, Callable]) -> PiecewiseBackend:
+        """A piece from `saved_info()` and its runnables loaded from the compile cache
+        (`loaded`: range -> runnable, every range of `expected_ranges(info)`)."""
+        self = cls.__new__(cls)
+        gm, _ = with_tuple_output(gm)
+        locator = tuple(info["locator"]) if info["locator"] else None
+        self._setup(gm, info["index"], vllm_backend, info["single_output"], locator,
+                    info["digest"], info["keep"])
+        self.range_keys = {Range(s, e): key for s, e, key in info["ranges"]}
+        if list(self.range_keys) != self.ranges:
+            raise ValueError(f"piece {self.piece_index}: saved compile ranges "
+                             f"{[str(r) for r in self.range_keys]} differ from the config's")
+        self.range_runnables = {r: loaded[r] for r in self.ranges}
+        return self
 
     def num_tokens(self, args: tuple) -> int | None:
         if self.locator is None:
@@ -120,7 +159,8 @@ class PiecewiseBackend:
             if runnable is None:
                 start = time.perf_counter()
                 runnable = self.vllm_backend.compile_piece(
-                    self.gm, list(args), self.piece_index, Range(num_tokens, num_tokens))
+                    self.gm, list(args), self.piece_index, Range(num_tokens, num_tokens),
+                    self.digest)
                 self.size_runnables[num_tokens] = runnable
                 logger.debug("piece %d: static compile for %d tokens took %.2f s",
                              self.piece_index, num_tokens, time.perf_counter() - start)

@@ -68,7 +68,8 @@ class UniProcExecutor(Executor):
             self.num_blocks = min(self._call_all("determine_num_blocks"))
             self._call_all("initialize_cache", self.num_blocks)
         self._log_kv_cache()
-        nested = ("dynamo tracing", "inductor compilation", "cudagraph capture")
+        nested = ("dynamo tracing", "graph loading", "inductor compilation",
+                  "cudagraph capture")
         before = sum(timer.seconds(name) for name in nested)
         with timer.phase("warm-up"):
             self._call_all("compile_or_warm_up_model")

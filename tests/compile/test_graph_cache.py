@@ -1,0 +1,178 @@
+"""The traced graph in the compile cache (graph_cache.py): the runner that replaces Dynamo on a
+warm start (sources, guards, weights resolved once), and warm starts of a toy model in one
+process (Inductor; slow): a second instance loads the graph instead of tracing, follows a
+replaced weight, falls back to Dynamo for another input dtype, and never looks with
+VLLM_DISABLE_COMPILE_CACHE=1."""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from vllm.compilation.counter import compilation_counter
+from vllm.compilation.decorators import support_torch_compile
+from vllm.compilation.graph_cache import (
+    CachedGraphRunner,
+    GraphCacheMiss,
+    GuardMismatch,
+)
+from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+
+
+# ---- the runner, on a hand-made record ------------------------------------------------------
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, input_ids: torch.Tensor, scale: float = 2.0, extra=None):
+        raise AssertionError("not called: the runner calls the graph")
+
+
+RECORD = {
+    "self": "self",
+    "args": [["input_ids", "tensor", "int64", 1], ["scale", "const", 2.0],
+             ["extra", "const", None]],
+    "sources": ["L['self']._modules['lin']._parameters['weight']", "L['input_ids'].size()[0]",
+                "L['input_ids']"],
+    "kinds": ["tensor", "int", "tensor"],
+    "output": ["tuple", [["graph", 1], ["none"]]],
+}
+
+
+def make_runner() -> tuple[Plain, CachedGraphRunner, list]:
+    model = Plain()
+    calls = []
+
+    def graph(weight, n, ids):
+        calls.append((weight, n, ids))
+        return (weight.sum(), ids * n)
+
+    runner = CachedGraphRunner(model, inspect.signature(Plain.forward), RECORD, globals())
+    runner.forward = graph
+    ids = torch.arange(3)
+    locals_ = runner.locals_for((ids,), {})
+    assert runner.guard(locals_)
+    runner.resolve(locals_)
+    runner.build(locals_)
+    return model, runner, calls
+
+
+def test_runner_evaluates_sources_per_call_and_weights_once():
+    model, runner, calls = make_runner()
+    out, none = runner((torch.arange(5),), {})
+    assert none is None and out.tolist() == [0, 5, 10, 15, 20]
+    weight, n, ids = calls[-1]
+    assert weight is model.lin.weight and n == 5 and isinstance(n, int)
+    # Keyword and defaulted arguments bind like the forward's signature.
+    out, _ = runner((), {"input_ids": torch.arange(2), "scale": 2.0})
+    assert out.tolist() == [0, 2]
+    # A replaced weight is picked up (resolved again), not the stale object.
+    model.lin.weight = nn.Parameter(torch.ones(4, 4))
+    runner((torch.arange(1),), {})
+    assert calls[-1][0] is model.lin.weight
+
+
+def test_runner_guards_dtype_dim_and_constants():
+    _, runner, _ = make_runner()
+    with pytest.raises(GuardMismatch, match="int32 dim 1, saved int64 dim 1"):
+        runner((torch.arange(3, dtype=torch.int32),), {})
+    with pytest.raises(GuardMismatch, match="dim 2"):
+        runner((torch.zeros(2, 3, dtype=torch.int64),), {})
+    with pytest.raises(GuardMismatch, match="scale: 3.0, saved 2.0"):
+        runner((torch.arange(3), 3.0), {})
+    with pytest.raises(GuardMismatch, match="extra"):
+        runner((torch.arange(3), 2.0, torch.zeros(1)), {})
+
+
+def test_sources_that_do_not_evaluate_are_a_miss():
+    record = dict(RECORD, sources=["L['self']._modules['gone']._parameters['weight']"],
+                  kinds=["tensor"])
+    runner = CachedGraphRunner(Plain(), inspect.signature(Plain.forward), record, globals())
+    locals_ = runner.locals_for((torch.arange(3),), {})
+    with pytest.raises(GraphCacheMiss, match="does not evaluate"):
+        runner.resolve(locals_)
+    record = dict(RECORD, sources=["L['input_ids'].size()[0]"], kinds=["tensor"])
+    runner = CachedGraphRunner(Plain(), inspect.signature(Plain.forward), record, globals())
+    with pytest.raises(GraphCacheMiss, match="graph takes a tensor"):
+        runner.build(locals_)
+
+
+# ---- warm starts of a toy model in one process (Inductor) -----------------------------------
+SILLY_OP = "silly_graph_cache::attention"
+
+
+@torch.library.custom_op(SILLY_OP, mutates_args=["out"])
+def silly_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(q * 2 + k - v)
+
+
+@support_torch_compile
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + positions.unsqueeze(-1).to(torch.float32)
+        for layer in self.layers:
+            out = torch.empty_like(x)
+            torch.ops.silly_graph_cache.attention(x, x, x, out)
+            x = layer(out).relu()
+        return x
+
+
+def build() -> Toy:
+    config = VllmConfig(optimization_level=1, compilation_config=CompilationConfig(
+        backend="inductor", splitting_ops=[SILLY_OP]))
+    torch.manual_seed(0)
+    with set_current_vllm_config(config):
+        return Toy()
+
+
+def check(model: Toy, n: int, positions_dtype: torch.dtype = torch.int64) -> None:
+    ids, pos = torch.randint(0, 32, (n,)), torch.arange(n, dtype=positions_dtype)
+    expected = model._vllm_compile_state.original_forward(model, ids, pos)
+    torch.testing.assert_close(model(ids, pos), expected)
+
+
+@pytest.mark.slow
+def test_second_instance_loads_the_graph_instead_of_tracing(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("VLLM_TEST_FAIL_ON_RECOMPILE", "1")
+    caplog.set_level(logging.INFO, logger="vllm")
+    with torch.no_grad():
+        with compilation_counter.expect(num_graphs_seen=1, num_graphs_saved=1,
+                                        num_graphs_loaded=0, num_inductor_compiles=3):
+            check(build(), 5)
+        warm = build()
+        with compilation_counter.expect(num_graphs_seen=0, num_graphs_loaded=1,
+                                        num_inductor_compiles=0, num_cache_hits=3):
+            for n in (5, 1, 9):
+                check(warm, n)
+        assert warm._vllm_compile_state.cached_graph is not None
+        # A weight replaced by a new Parameter: followed, still without Dynamo.
+        warm.layers[1].weight = nn.Parameter(torch.randn(8, 8))
+        with compilation_counter.expect(num_graphs_seen=0):
+            check(warm, 4)
+        # Another dtype for an argument: Dynamo's guards would not have held either; this
+        # instance traces (a warning), and keeps serving that dtype.
+        with compilation_counter.expect(num_graphs_seen=1, num_graphs_loaded=0):
+            check(warm, 3, torch.int32)
+            check(warm, 6, torch.int32)
+        assert "does not serve (positions: int32 dim 1, saved int64 dim 1)" in caplog.text
+        assert warm._vllm_compile_state.cached_graph is None
+
+        # With the cache off the graph is never looked at.
+        monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+        caplog.clear()
+        with compilation_counter.expect(num_graphs_seen=1, num_graphs_loaded=0,
+                                        num_graphs_saved=0):
+            check(build(), 5)
+        assert "traced graph not used" not in caplog.text
+        assert "compile cache: disabled" in caplog.text

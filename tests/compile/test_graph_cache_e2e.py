@@ -1,0 +1,160 @@
+"""Warm starts that skip the Dynamo trace, through the engine, in new processes (Inductor;
+slow).
+
+A cold -O2 start traces once and saves the traced graph next to the compiled pieces; a warm
+start in a new process loads both (0 Dynamo traces, 0 Inductor compiles, every piece a cache
+hit, "dynamo tracing 0.00 0" and a "graph loading" row in the start-up table) and gives the
+same greedy tokens as the cold start and as -O0 under continuous batching of mixed prompt
+lengths with chunked prefill. A damaged or deleted graph entry falls back to the Dynamo path
+(still correct, pieces still from the cache) and is saved again; another dtype is another
+key.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+try:
+    from tests.model_executor.hf_checkpoints import make_llama, make_qwen3
+except ImportError:  # tests/ itself on sys.path
+    from model_executor.hf_checkpoints import make_llama, make_qwen3
+
+from vllm.compilation.graph_cache import GRAPH_ENTRY
+
+NUM_PIECES = 3  # 2 attention layers: 3 compiled pieces
+MAKERS = {"llama": make_llama, "qwen3": make_qwen3}
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.compilation.counter import compilation_counter as c
+    options = json.loads(sys.argv[2])
+    llm = LLM(model=sys.argv[1], max_model_len=128, max_num_batched_tokens=24, max_num_seqs=8,
+              kv_cache_memory="16MiB", enable_prefix_caching=False, **options)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 384, (n,), generator=g).tolist()}
+               for n in [1, 5, 37, 3, 18, 9, 26, 2]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+              for n in [6, 10, 4, 8, 3, 9, 5, 7]]
+    out = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    print("RESULT " + json.dumps({
+        "tokens": [o.outputs[0].token_ids for o in out], "inductor": c.num_inductor_compiles,
+        "hits": c.num_cache_hits, "misses": c.num_cache_misses, "corrupt": c.num_cache_corrupt,
+        "traces": c.num_graphs_seen, "loaded": c.num_graphs_loaded, "saved": c.num_graphs_saved,
+        "recompiles": c.num_recompiles, "phases": engine.startup_phases,
+        "counts": {k: v["count"] for k, v in engine.startup_report["phases"].items()}}))
+""")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graph_cache")
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            made[name] = MAKERS[name](root / name)
+        return made[name]
+
+    return get
+
+
+def run(tmp_path, model: str, env: dict | None = None, **options) -> tuple[dict, str]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    options.setdefault("optimization_level", 2)
+    child_env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "root"),
+                     VLLM_TEST_FAIL_ON_RECOMPILE="1")
+    child_env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+    child_env.update(env or {})
+    proc = subprocess.run([sys.executable, str(script), model, json.dumps(options)],
+                          capture_output=True, text=True, env=child_env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), proc.stderr
+
+
+def cache_dir_in(log: str) -> str:
+    return log.split("compile cache: using ", 1)[1].split()[0]
+
+
+def same_key_or_skip(first: str, later: str) -> None:
+    """The key covers our source: an edit of vllm/ between the processes (someone working in
+    the same checkout) rightly moves the cache to a new directory."""
+    if cache_dir_in(first) != cache_dir_in(later):
+        pytest.skip("the package source changed while the test ran (new cache key)")
+
+
+def assert_warm(result: dict, log: str) -> None:
+    assert (result["traces"], result["loaded"], result["inductor"]) == (0, 1, 0), log[-3000:]
+    assert (result["hits"], result["misses"], result["recompiles"]) == (NUM_PIECES, 0, 0)
+    assert result["phases"]["dynamo tracing"] == 0.0 and "dynamo tracing" not in result["counts"]
+    assert result["counts"]["graph loading"] == 1
+    assert "Dynamo not run" in log and "compile cache: hit" in log
+    table = log.split("Start-up phases", 1)[1]
+    assert re.search(r"\ndynamo tracing +0\.00 +0\n", table), table
+    assert "graph loading" in table and "source: compile cache, Dynamo not run" in table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_warm_start_skips_dynamo_and_matches_cold_and_o0(tmp_path, checkpoints, model):
+    path = checkpoints(model)
+    eager, _ = run(tmp_path, path, optimization_level=0)
+    cold, cold_log = run(tmp_path, path)
+    assert (cold["traces"], cold["loaded"], cold["saved"]) == (1, 0, 1), cold_log[-3000:]
+    assert cold["inductor"] == NUM_PIECES and cold["counts"]["dynamo tracing"] == 1
+    directory = cache_dir_in(cold_log)
+    assert directory.endswith("rank_0") and os.path.isfile(os.path.join(directory, GRAPH_ENTRY))
+
+    warm, warm_log = run(tmp_path, path)
+    same_key_or_skip(cold_log, warm_log)
+    assert_warm(warm, warm_log)
+    assert warm["tokens"] == cold["tokens"] == eager["tokens"]
+
+
+@pytest.mark.slow
+def test_damaged_or_deleted_graph_falls_back_to_dynamo_and_dtype_misses(tmp_path, checkpoints):
+    path = checkpoints("llama")
+    cold, cold_log = run(tmp_path, path)
+    graph = os.path.join(cache_dir_in(cold_log), GRAPH_ENTRY)
+
+    # One byte flipped: the checksum catches it; Dynamo traces, the pieces still load, and
+    # the graph is saved again for the next start.
+    with open(graph, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    damaged, log = run(tmp_path, path)
+    same_key_or_skip(cold_log, log)
+    assert (damaged["traces"], damaged["loaded"], damaged["corrupt"]) == (1, 0, 1), log[-3000:]
+    assert (damaged["inductor"], damaged["hits"], damaged["saved"]) == (0, NUM_PIECES, 1)
+    assert f"corrupt entry {GRAPH_ENTRY}" in log and "traced graph not used" in log
+    assert damaged["tokens"] == cold["tokens"]
+
+    warm, log = run(tmp_path, path)
+    same_key_or_skip(cold_log, log)
+    assert_warm(warm, log)
+    assert warm["tokens"] == cold["tokens"]
+
+    os.unlink(graph)
+    deleted, log = run(tmp_path, path)
+    same_key_or_skip(cold_log, log)
+    assert (deleted["traces"], deleted["loaded"], deleted["inductor"]) == (1, 0, 0), log[-3000:]
+    assert f"{GRAPH_ENTRY} is missing or damaged" in log
+    assert deleted["tokens"] == cold["tokens"]
+
+    # Another dtype: another key, so neither the graph nor the pieces are found.
+    other, log = run(tmp_path, path, dtype="bfloat16")
+    assert cache_dir_in(log) != cache_dir_in(cold_log)
+    assert (other["traces"], other["loaded"], other["hits"]) == (1, 0, 0), log[-3000:]
+    assert other["inductor"] == NUM_PIECES
