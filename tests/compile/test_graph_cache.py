@@ -1,8 +1,8 @@
 """The traced graph in the compile cache (graph_cache.py): the runner that replaces Dynamo on a
 warm start (sources, guards, weights resolved once), and warm starts of a toy model in one
-process (Inductor; slow): a second instance loads the graph instead of tracing, follows a
-replaced weight, falls back to Dynamo for another input dtype, and never looks with
-VLLM_DISABLE_COMPILE_CACHE=1."""
+process (Inductor; slow): a second instance loads the graph instead of tracing (its static
+compile sizes from the cache too), follows a replaced weight, falls back to Dynamo for
+another input dtype, and never looks with VLLM_DISABLE_COMPILE_CACHE=1."""
 from __future__ import annotations
 
 import inspect
@@ -128,7 +128,7 @@ class Toy(nn.Module):
 
 def build() -> Toy:
     config = VllmConfig(optimization_level=1, compilation_config=CompilationConfig(
-        backend="inductor", splitting_ops=[SILLY_OP]))
+        backend="inductor", splitting_ops=[SILLY_OP], compile_sizes=[4]))
     torch.manual_seed(0)
     with set_current_vllm_config(config):
         return Toy()
@@ -147,13 +147,16 @@ def test_second_instance_loads_the_graph_instead_of_tracing(monkeypatch, tmp_pat
     monkeypatch.setenv("VLLM_TEST_FAIL_ON_RECOMPILE", "1")
     caplog.set_level(logging.INFO, logger="vllm")
     with torch.no_grad():
+        # 3 pieces, each compiled for the token range and for the compile size 4.
         with compilation_counter.expect(num_graphs_seen=1, num_graphs_saved=1,
-                                        num_graphs_loaded=0, num_inductor_compiles=3):
-            check(build(), 5)
+                                        num_graphs_loaded=0, num_inductor_compiles=6):
+            cold = build()
+            check(cold, 5)
+            check(cold, 4)
         warm = build()
         with compilation_counter.expect(num_graphs_seen=0, num_graphs_loaded=1,
-                                        num_inductor_compiles=0, num_cache_hits=3):
-            for n in (5, 1, 9):
+                                        num_inductor_compiles=0, num_cache_hits=6):
+            for n in (5, 1, 4, 9):
                 check(warm, n)
         assert warm._vllm_compile_state.cached_graph is not None
         # A weight replaced by a new Parameter: followed, still without Dynamo.

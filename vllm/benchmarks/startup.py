@@ -107,7 +107,8 @@ def _cache_counts() -> dict[str, int]:
     from vllm.compilation.counter import compilation_counter as c
 
     return {"hits": c.num_cache_hits, "misses": c.num_cache_misses,
-            "inductor_compiles": c.num_inductor_compiles}
+            "inductor_compiles": c.num_inductor_compiles, "dynamo_traces": c.num_graphs_seen,
+            "graphs_loaded": c.num_graphs_loaded}
 
 
 def _stats(values: list[float]) -> dict[str, float]:

@@ -217,21 +217,28 @@ def inductor_cache_dir(directory: str | None):
 _prewarm: threading.Thread | None = None
 
 
-def start_inductor_prewarm() -> None:
+def start_inductor_prewarm(vllm_config: VllmConfig | None = None) -> None:
     """Start, in a background thread, what Inductor does once per process before its first
     CPU compile or load: probing the CPU's vector ISA (it builds and loads a test library per
-    candidate ISA, each in a child process: 1-1.5 s on the dev machines). It then overlaps
-    the weight loading and the Dynamo trace instead of adding to a warm start;
+    candidate ISA, each in a child process: 1-1.5 s on the dev machines; answered from the
+    memo of an earlier start when the compile cache is on, see vec_isa_memo.py). It then
+    overlaps the weight loading and the Dynamo trace instead of adding to a warm start;
     `wait_inductor_prewarm()` joins it before the first Inductor call."""
     global _prewarm
     if _prewarm is not None:
         return
+    memo_dir = None
+    if vllm_config is not None:
+        from vllm.compilation.cache import cache_disabled_reason, cache_root
+
+        if cache_disabled_reason(vllm_config) is None:
+            memo_dir = cache_root(vllm_config)
 
     def probe() -> None:
         try:
-            from torch._inductor.cpu_vec_isa import pick_vec_isa
+            from vllm.compilation.vec_isa_memo import pick_vec_isa
 
-            pick_vec_isa()
+            pick_vec_isa(memo_dir)
         except Exception as e:  # the real compile will meet (and report) the problem
             logger.debug("Inductor pre-warm failed: %s", e)
 

@@ -128,7 +128,7 @@ class Worker:
                 and self.device.type == "cpu"):
             from vllm.compilation.compiler_interface import start_inductor_prewarm
 
-            start_inductor_prewarm()  # overlaps the weight loading and the Dynamo trace
+            start_inductor_prewarm(self.vllm_config)  # overlaps the weight loading
         self.model_runner.load_model(load_format)
 
     def determine_num_blocks(self) -> int:

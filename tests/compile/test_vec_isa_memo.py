@@ -1,0 +1,65 @@
+"""Inductor's vector-ISA build checks remembered between starts (vec_isa_memo.py)."""
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+from torch._inductor import config as inductor_config
+from torch._inductor import cpu_vec_isa
+
+from vllm.compilation.vec_isa_memo import MEMO, pick_vec_isa
+
+
+def _forget_probes() -> None:
+    """Inductor caches its checks per process: clear them, as in a new process."""
+    for obj in vars(cpu_vec_isa).values():
+        members = vars(obj).values() if inspect.isclass(obj) else [obj]
+        for member in members:
+            if hasattr(member, "cache_clear"):
+                member.cache_clear()
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """Count the (fake, always successful) build checks Inductor runs."""
+    calls: list[str] = []
+
+    def check_build(isa, code):
+        calls.append(str(isa))
+        return True
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", check_build)
+    _forget_probes()
+    yield calls
+    _forget_probes()
+
+
+def test_checks_are_answered_from_the_memo_of_an_earlier_start(tmp_path, probes, monkeypatch):
+    pick_vec_isa(str(tmp_path))
+    first = len(probes)
+    if first == 0:
+        pytest.skip("no vector ISA to check on this machine")
+    memo = json.loads((tmp_path / MEMO).read_text())
+    assert all(memo["results"].values()) and len(memo["results"]) <= first
+    picked = str(cpu_vec_isa.pick_vec_isa())
+
+    _forget_probes()  # a new process: no checks run, the same ISA picked
+    pick_vec_isa(str(tmp_path))
+    assert len(probes) == first
+    assert str(cpu_vec_isa.pick_vec_isa()) == picked
+
+    # Another compiler (CXX) is another fingerprint: checked again, and remembered.
+    _forget_probes()
+    monkeypatch.setenv("CXX", "some-other-g++")
+    pick_vec_isa(str(tmp_path))
+    assert len(probes) == 2 * first
+
+    # No directory (the compile cache is off) or an explicit vec_isa_ok: Inductor as it is.
+    _forget_probes()
+    pick_vec_isa(None)
+    assert len(probes) == 3 * first
+    _forget_probes()
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", True)
+    pick_vec_isa(str(tmp_path))
+    assert len(probes) > 3 * first  # (the avx512 extension checks still run then)
