@@ -40,6 +40,7 @@ RECORD = {
                 "L['input_ids']"],
     "kinds": ["tensor", "int", "tensor"],
     "output": ["tuple", [["graph", 1], ["none"]]],
+    "stable_meta": [["float32", [4, 4], "cpu"]],
 }
 
 
@@ -74,6 +75,10 @@ def test_runner_evaluates_sources_per_call_and_weights_once():
     model.lin.weight = nn.Parameter(torch.ones(4, 4))
     runner((torch.arange(1),), {})
     assert calls[-1][0] is model.lin.weight
+    # One of another shape: the compiled pieces do not serve it (Dynamo would recompile).
+    model.lin.weight = nn.Parameter(torch.ones(2, 4))
+    with pytest.raises(GuardMismatch, match=r"\[2, 4\].*compiled for \['float32', \[4, 4\]"):
+        runner((torch.arange(1),), {})
 
 
 def test_runner_guards_dtype_dim_and_constants():

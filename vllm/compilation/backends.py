@@ -10,8 +10,6 @@ with those runnables in place of its submodules is what Dynamo runs.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,6 +26,7 @@ from vllm.compilation.inductor_pass import Range, compile_ranges
 from vllm.compilation.monitor import get_startup_timer
 from vllm.compilation.pass_manager import PostGradPassManager
 from vllm.compilation.piecewise_backend import PiecewiseBackend
+from vllm.compilation.split import SplitItem, op_names, split_graph  # noqa: F401
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 
@@ -35,60 +34,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
-
-
-def op_names(target: Any) -> set[str]:
-    """Names a splitting_ops entry may use for a call target: "ns::op" and "ns::op.overload"."""
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        base = target._qualified_op_name
-        return {base} | {f"{base}.{overload}" for overload in target.overloads()}
-    if isinstance(target, torch._ops.OpOverload):
-        base = target._schema.name
-        return {base, f"{base}.{target._overloadname}"}
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
-    module = getattr(target, "__module__", None)
-    return {f"{module}.{name}"} if name and module else set()
-
-
-@dataclasses.dataclass
-class SplitItem:
-    index: int
-    name: str
-    """Attribute name of the submodule in the split module ("submod_<id>")."""
-    is_splitting: bool
-    graph: fx.GraphModule
-
-
-def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]
-                ) -> tuple[fx.GraphModule, list[SplitItem]]:
-    """Split at every call of a splitting op; each such call gets a submodule of its own."""
-    wanted = set(splitting_ops)
-    subgraph_of: dict[fx.Node, int] = {}
-    splitting_ids: set[int] = set()
-    current = 0
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.op == "call_function" and node.target is operator.getitem and \
-                isinstance(node.args[0], fx.Node) and node.args[0] in subgraph_of and \
-                subgraph_of[node.args[0]] in splitting_ids:
-            subgraph_of[node] = subgraph_of[node.args[0]]  # stays with its op's outputs
-            continue
-        if node.op == "call_function" and op_names(node.target) & wanted:
-            current += 1
-            subgraph_of[node] = current
-            splitting_ids.add(current)
-            current += 1
-        else:
-            subgraph_of[node] = current
-    split_gm = torch.fx.passes.split_module.split_module(
-        gm, None, lambda node: subgraph_of[node], keep_original_order=True)
-    items = []
-    names = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
-    for i, name in enumerate(names):
-        sub_id = int(name.rsplit("_", 1)[1])
-        items.append(SplitItem(i, name, sub_id in splitting_ids, getattr(split_gm, name)))
-    return split_gm, items
 
 
 def _fake_inputs(example_inputs: list[Any]) -> list[Any]:
@@ -176,7 +121,7 @@ class VllmBackend:
         self.graph_kinds: list[str] = []
         self.split_pickle: bytes | None = None
         self.piece_backends: list[PiecewiseBackend] = []
-        self.output_recorder: FirstOutputRecorder | None = None
+        self.output_recorder: Any = None
 
     # ---- Dynamo entry point ------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -228,6 +173,8 @@ class VllmBackend:
                     self.compiler.name, elapsed)
         self.pass_manager.log_match_counts()
         if self.graph_sources is not None:
+            from vllm.compilation.graph_cache import FirstOutputRecorder
+
             self.output_recorder = FirstOutputRecorder(split_gm.forward)
             return self.output_recorder
         return split_gm.forward
@@ -250,24 +197,6 @@ class VllmBackend:
                 runnable = CUDAGraphWrapper(runnable, self.vllm_config, CUDAGraphMode.PIECEWISE)
             # Shadow the submodule: the split module's code looks it up as an attribute.
             split_gm.__dict__[item.name] = runnable
-
-    def restore(self, split_gm: fx.GraphModule, saved_items: list[dict[str, Any]]
-                ) -> Callable:
-        """The runnable from a split module and its pieces' saved info, every compiled piece
-        loaded from the compile cache (graph_cache.py: a warm start without Dynamo)."""
-        items = [SplitItem(i["index"], i["name"], i["splitting"], getattr(split_gm, i["name"]))
-                 for i in saved_items]
-        info = {i["index"]: i.get("piece") for i in saved_items}
-        self.split_gm, self.pieces, self.piece_backends = split_gm, items, []
-
-        def make_piece(item: SplitItem) -> PiecewiseBackend:
-            saved = info[item.index]
-            loaded = {Range(s, e): self.load_cached_piece(item.index, Range(s, e), key)
-                      for s, e, key in saved["ranges"]}
-            return PiecewiseBackend.restore(item.graph, saved, self, loaded)
-
-        self.install_pieces(split_gm, items, make_piece)
-        return split_gm.forward
 
     def report_when_done(self) -> None:
         """The compile-cache line now, or at the end of `deferred_cache_reports()`."""
@@ -316,19 +245,22 @@ class VllmBackend:
         # Pieces with the same code and input shapes (the middle decoder layers: the weights
         # are inputs) share one compiled callable: compiled or loaded once.
         shareable = self._shareable(dump_dir)
-        shared = self._shared_runnable(key, piece_index, tag) if shareable else None
+        shared = self.shared_runnable(key, piece_index, tag) if shareable else None
         if shared is not None:
             return shared
         runnable = self._compile_or_load(gm, example_inputs, piece_index, compile_range, key,
                                          name, dump_dir)
         if shareable:
-            self._shared[key] = (piece_index, runnable)
+            self.share(key, piece_index, runnable)
         return runnable
+
+    def share(self, key: str, piece_index: int, runnable: Callable) -> None:
+        self._shared[key] = (piece_index, runnable)
 
     def _shareable(self, dump_dir: str | None = None) -> bool:
         return self.compiler.name == "inductor" and not self.frozen and dump_dir is None
 
-    def _shared_runnable(self, key: str, piece_index: int, tag: str) -> Callable | None:
+    def shared_runnable(self, key: str, piece_index: int, tag: str) -> Callable | None:
         if key not in self._shared:
             return None
         first, runnable = self._shared[key]
@@ -339,30 +271,6 @@ class VllmBackend:
 
     def piece_entry(self, piece_index: int, compile_range: Range) -> str:
         return f"piece_{piece_index}.{compile_range.tag}.bin"
-
-    def load_cached_piece(self, piece_index: int, compile_range: Range, key: str
-                          ) -> Callable:
-        """A piece compile from the compile cache only (warm start without Dynamo; the caller
-        checked that the entry is there): shared like `compile_piece`, counted as a backend
-        compilation and a cache hit. Raises when it cannot be loaded."""
-        assert self.cache is not None and self._shareable()
-        compilation_counter.num_backend_compilations += 1
-        tag = compile_range.tag
-        shared = self._shared_runnable(key, piece_index, tag)
-        if shared is not None:
-            return shared
-        name = self.piece_entry(piece_index, compile_range)
-        with self.cache.lock(), self.timer.phase(
-                "inductor compilation", piece=piece_index, range=tag, backend="inductor",
-                cache="hit") as info:
-            path = self.cache.lookup(name, key)
-            if path is None:
-                info["cache"] = "missing"
-                raise FileNotFoundError(f"{name} is missing or damaged")
-            artifact = self.compiler.load(path, self.cache.inductor_cache_dir)
-        self.cache.record(name, hit=True)
-        self._shared[key] = (piece_index, artifact)
-        return artifact
 
     def _compile_or_load(self, gm: fx.GraphModule, example_inputs: list[Any],
                          piece_index: int, compile_range: Range, key: str, name: str,
@@ -443,22 +351,6 @@ def _parameter_inputs(split_gm: fx.GraphModule, name: str, example_inputs: list[
         if i is not None and isinstance(example_inputs[i], torch.nn.Parameter):
             constants[position] = example_inputs[i]
     return constants
-
-
-class FirstOutputRecorder:
-    """What Dynamo calls: the split module, keeping the graph outputs of the first call (for
-    mapping the forward's return value onto them when the traced graph is saved)."""
-
-    def __init__(self, forward: Callable) -> None:
-        self.forward = forward
-        self.outputs: Any = None
-        self.recording = True
-
-    def __call__(self, *args: Any) -> Any:
-        out = self.forward(*args)
-        if self.recording:
-            self.outputs, self.recording = out, False
-        return out
 
 
 def traced_source_files(gm: fx.GraphModule) -> list[str]:

@@ -252,7 +252,8 @@ class _CompileState:
             from vllm.compilation.graph_cache import save_graph
 
             self._save_graph = False
-            save_graph(self.vllm_backend, self.model_ref, self.signature, bound, output)
+            save_graph(self.vllm_backend, self.model_ref, self.signature,
+                       self.original_forward, bound, output)
         compile_seconds = timer.seconds("inductor compilation") - backend_before
         timer.record("dynamo tracing", time.perf_counter() - start - compile_seconds,
                      model=type(self.model_ref).__name__)

@@ -9,28 +9,26 @@ the compile-cache entry directory (checksummed in its manifest like the pieces):
                  "L['self']._modules['norm']._parameters['weight']" ...
   args           per forward argument: dtype and dim of a tensor, or the constant it was
   output         how the forward's return value is made of the graph's outputs
+  stable_meta    dtype, shape and device of each weight and buffer the graph takes
   pieces         per compiled piece: where the token count is, its compile ranges and their
                  cache keys, the digest of its graph (for static compile sizes)
 and, under `<cache root>/graph_index/`, the files Dynamo traced, filed under the key made
 without them (the only part of the entry's key a start cannot compute before tracing).
 
 A later start with the same key (`load_graph`, on the first forward) rebuilds the runnable
-from that: it evaluates the sources against {"L": the forward's arguments, self included},
-loads the compiled pieces from the cache and calls the split module directly on every
-forward, with no torch.compile at all. Weights and buffers (sources under L['self']) are
-resolved once; each call checks that they are still the same objects (re-resolving them
-otherwise), evaluates the per-call sources, and checks dtype and dim of the tensor arguments
-in place of Dynamo's guards (a mismatch falls back to Dynamo, with a warning). Anything
-missing, damaged or not evaluable is logged in one line and the start traces with Dynamo as
-before (whose compiles still come from the cache). Side effects a forward has beyond its
-return value (setting attributes) are not replayed: forwards must not have any.
+from that, with no torch.compile at all: the compiled pieces come from the cache as on the
+Dynamo path, and a `CachedGraphRunner` (graph_runner.py) computes the graph's inputs from the
+forward's arguments on every call and checks what Dynamo's guards would have (a call it does
+not serve falls back to Dynamo, with a warning). Anything missing, damaged or not evaluable
+is logged in one line and the start traces with Dynamo as before (its compiles still come
+from the cache, and the graph is saved again). Side effects a forward has beyond its return
+value (setting attributes) are not replayed: forwards must not have any.
 """
 from __future__ import annotations
 
 import json
 import os
 import pickle
-import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,7 +44,16 @@ from vllm.compilation.cache import (
     compute_cache_key,
 )
 from vllm.compilation.counter import compilation_counter
+from vllm.compilation.graph_runner import (  # noqa: F401 (re-exported)
+    CachedGraphRunner,
+    GraphCacheMiss,
+    GuardMismatch,
+    tensor_meta,
+)
+from vllm.compilation.inductor_pass import Range
 from vllm.compilation.monitor import get_startup_timer
+from vllm.compilation.piecewise_backend import PiecewiseBackend
+from vllm.compilation.split import SplitItem
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -59,15 +66,23 @@ GRAPH_TAG = "traced-graph"  # the entry's "graph_hash" in the manifest
 _FORMAT = 1
 
 
-class GraphCacheMiss(Exception):
-    """The saved graph cannot be used; the message says why."""
-
-
-class GuardMismatch(Exception):
-    """A call the loaded graph does not serve (another dtype or rank): trace with Dynamo."""
-
-
 # ---- saving ------------------------------------------------------------------------------
+class FirstOutputRecorder:
+    """What Dynamo calls: the split module, keeping the graph outputs of the first call (for
+    mapping the forward's return value onto them when the traced graph is saved)."""
+
+    def __init__(self, forward: Callable) -> None:
+        self.forward = forward
+        self.outputs: Any = None
+        self.recording = True
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.forward(*args)
+        if self.recording:
+            self.outputs, self.recording = out, False
+        return out
+
+
 def capture_graph(backend: VllmBackend, gm: torch.fx.GraphModule,
                   split_gm: torch.fx.GraphModule) -> None:
     """At split time (before the pieces replace the submodules): the Dynamo graph's input
@@ -95,8 +110,8 @@ def capture_graph(backend: VllmBackend, gm: torch.fx.GraphModule,
     backend.graph_sources, backend.graph_kinds, backend.split_pickle = sources, kinds, data
 
 
-def save_graph(backend: VllmBackend, model: Any, signature: Any, bound: Any,
-               output: Any) -> None:
+def save_graph(backend: VllmBackend, model: Any, signature: Any, forward: Callable,
+               bound: Any, output: Any) -> None:
     """After the first forward through Dynamo: write the graph entry and the index."""
     recorder = backend.output_recorder
     if recorder is None or backend.cache is None or backend.split_pickle is None:
@@ -104,7 +119,15 @@ def save_graph(backend: VllmBackend, model: Any, signature: Any, bound: Any,
     graph_outputs, recorder.outputs = recorder.outputs, None
     try:
         record = _make_record(backend, model, signature, bound, output, graph_outputs)
-        pickle.loads(backend.split_pickle)  # it must load back (FX re-traces its code)
+        # The sources must evaluate now as they will at load (the weights' shapes, dtypes and
+        # devices are kept, to be checked there), and the split module must load back (FX
+        # re-traces its code).
+        runner = CachedGraphRunner(model, signature, record, forward.__globals__)
+        locals_ = dict(bound.arguments)
+        runner.resolve(locals_)
+        runner.build(locals_)
+        record["stable_meta"] = [tensor_meta(v) for v in runner.stable]
+        pickle.loads(backend.split_pickle)
     except Exception as e:
         logger.info("compile cache: the traced graph is not saved (%s); warm starts will "
                     "trace with Dynamo", e)
@@ -254,8 +277,6 @@ def _load(backend: VllmBackend, model: Any, signature: Any, forward: Callable,
     for item in record["items"]:
         for start, end, key in ([] if item["splitting"] else item["piece"]["ranges"]):
             first_of_key.setdefault(key, (item["index"], (start, end)))
-    from vllm.compilation.inductor_pass import Range
-
     for key, (index, (start, end)) in first_of_key.items():
         name = backend.piece_entry(index, Range(start, end))
         if cache.lookup(name, key) is None:
@@ -263,147 +284,53 @@ def _load(backend: VllmBackend, model: Any, signature: Any, forward: Callable,
     split_gm = pickle.loads(record["split_module"])
     backend.cache, backend.traced_files = cache, traced
     logger.info("compile cache: using %s", directory)
-    runner.forward = backend.restore(split_gm, record["items"])
+    runner.forward = _restore(backend, split_gm, record["items"])
     runner.build(locals_)  # the per-call sources evaluate too
     cache.graph_loaded = True
     backend.report_when_done()
     return runner
 
 
-_LAST = re.compile(r"^(?P<parent>.+)(?:\[(?P<key>'(?:[^'\\]|\\.)*'|\d+)\]|"
-                   r"\.(?P<attr>[A-Za-z_]\w*))$")
+def _restore(backend: VllmBackend, split_gm: torch.fx.GraphModule,
+             saved_items: list[dict[str, Any]]) -> Callable:
+    """The runnable from the split module and its pieces' saved info, each compiled piece
+    loaded from the compile cache."""
+    items = [SplitItem(i["index"], i["name"], i["splitting"], getattr(split_gm, i["name"]))
+             for i in saved_items]
+    info = {i["index"]: i.get("piece") for i in saved_items}
+    backend.split_gm, backend.pieces, backend.piece_backends = split_gm, items, []
+
+    def make_piece(item: SplitItem) -> PiecewiseBackend:
+        saved = info[item.index]
+        loaded = {Range(s, e): _load_piece(backend, item.index, Range(s, e), key)
+                  for s, e, key in saved["ranges"]}
+        return PiecewiseBackend.restore(item.graph, saved, backend, loaded)
+
+    backend.install_pieces(split_gm, items, make_piece)
+    return split_gm.forward
 
 
-class CachedGraphRunner:
-    """Calls the split module loaded from the cache with the graph inputs computed from the
-    forward's arguments (see the module docstring). Raises GuardMismatch for a call the
-    graph does not serve."""
-
-    def __init__(self, model: Any, signature: Any, record: dict[str, Any],
-                 globals_: dict[str, Any]) -> None:
-        self.model = model
-        self.signature = signature
-        self.globals = globals_
-        self.self_name = record["self"]
-        self.arg_names = [a[0] for a in record["args"]]
-        self.args = record["args"]
-        self.sources: list[str] = record["sources"]
-        self.kinds: list[str] = record["kinds"]
-        self.forward: Callable = lambda *a: None
-        self.unflatten = _unflattener(record["output"])
-        self.guard = self._compile_guard()
-        # Sources under `self` are resolved once (weights, buffers); each call checks that
-        # the objects are still in place (`parent[key] is value` / `parent.attr is value`).
-        stable, checks, parts = [], [], []
-        prefix = f"L[{self.self_name!r}]"
-        for source in self.sources:
-            match = _LAST.match(source) if source.startswith(prefix) else None
-            if match is None:
-                parts.append(f"({source})")
-                continue
-            i = len(stable)
-            stable.append((source, match["parent"]))
-            last = f"[{match['key']}]" if match["key"] is not None else f".{match['attr']}"
-            checks.append(f"C[{i}]{last} is not S[{i}]")
-            parts.append(f"S[{i}]")
-        self.stable_sources = stable
-        self.stable: list[Any] = []
-        self.parents: list[Any] = []
-        self._build = _function("L, S, G", "return (" + "".join(p + ", " for p in parts) + ")")
-        self._stale = _function("C, S", "return " + (" or ".join(checks) or "False"))
-
-    def _compile_guard(self) -> Callable[[dict[str, Any]], bool]:
-        terms, dtypes, consts = [], [], []
-        for name, kind, *rest in self.args:
-            value = f"L[{name!r}]"
-            if kind == "tensor":
-                dtypes.append(getattr(torch, rest[0]))
-                terms.append(f"isinstance({value}, Tensor) and {value}.dtype is "
-                             f"D[{len(dtypes) - 1}] and {value}.dim() == {int(rest[1])}")
-            elif rest[0] is None:
-                terms.append(f"{value} is None")
-            else:
-                consts.append(rest[0])
-                i = len(consts) - 1
-                terms.append(f"type({value}) is type(K[{i}]) and {value} == K[{i}]")
-        return _function("L", "return " + " and ".join(f"({t})" for t in terms or ["True"]),
-                         Tensor=torch.Tensor, D=dtypes, K=consts)
-
-    def explain(self, locals_: dict[str, Any]) -> str:
-        wrong = []
-        for name, kind, *rest in self.args:
-            value = locals_.get(name)
-            if kind == "tensor":
-                have = (f"{str(value.dtype).split('.')[-1]} dim {value.dim()}"
-                        if isinstance(value, torch.Tensor) else type(value).__name__)
-                if have != f"{rest[0]} dim {rest[1]}":
-                    wrong.append(f"{name}: {have}, saved {rest[0]} dim {rest[1]}")
-            elif value != rest[0] or type(value) is not type(rest[0]):
-                wrong.append(f"{name}: {value!r}, saved {rest[0]!r}")
-        return "; ".join(wrong) or "?"
-
-    def resolve(self, locals_: dict[str, Any]) -> None:
-        """Evaluate the sources under `self` (again after a weight was replaced)."""
-        namespace = {"L": locals_, "G": self.globals}
-        stable, parents = [], []
-        for source, parent in self.stable_sources:
-            try:
-                stable.append(eval(source, namespace))
-                parents.append(eval(parent, namespace))
-            except Exception as e:
-                raise GraphCacheMiss(f"source {source} does not evaluate "
-                                     f"({type(e).__name__}: {e})") from None
-        self.stable, self.parents = stable, parents
-
-    def build(self, locals_: dict[str, Any]) -> tuple:
-        try:
-            graph_args = self._build(locals_, self.stable, self.globals)
-        except Exception as e:
-            raise GraphCacheMiss(f"an input source does not evaluate ({type(e).__name__}: "
-                                 f"{e})") from None
-        for source, kind, value in zip(self.sources, self.kinds, graph_args):
-            if (kind == "tensor") != isinstance(value, torch.Tensor):
-                raise GraphCacheMiss(f"source {source} gives a {type(value).__name__}, the "
-                                     f"graph takes a {kind}")
-        return graph_args
-
-    def locals_for(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        if not kwargs and len(args) == len(self.arg_names):
-            locals_ = dict(zip(self.arg_names, args))
-            locals_[self.self_name] = self.model
-            return locals_
-        bound = self.signature.bind(self.model, *args, **kwargs)
-        bound.apply_defaults()
-        return dict(bound.arguments)
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        locals_ = self.locals_for(args, kwargs)
-        if not self.guard(locals_):
-            raise GuardMismatch(self.explain(locals_))
-        if self._stale(self.parents, self.stable):
-            try:
-                self.resolve(locals_)
-            except GraphCacheMiss as e:
-                raise GuardMismatch(str(e)) from None
-            logger.info("A weight of %s was replaced: the loaded graph's inputs were resolved "
-                        "again", type(self.model).__name__)
-        return self.unflatten(self.forward(*self._build(locals_, self.stable, self.globals)))
-
-
-def _function(params: str, body: str, **namespace: Any) -> Callable:
-    """A function compiled from generated code (the sources come from our own cache entry)."""
-    code = f"def _generated({params}):\n    {body}\n"
-    exec(compile(code, "<vllm graph cache>", "exec"), namespace)
-    return namespace["_generated"]
-
-
-def _unflattener(spec: list[Any]) -> Callable[[Any], Any]:
-    kind = spec[0]
-    if kind == "graph":
-        i = spec[1]
-        return lambda out: out[i]
-    if kind == "none":
-        return lambda out: None
-    parts = [_unflattener(s) for s in spec[1]]
-    container = tuple if kind == "tuple" else list
-    return lambda out: container(p(out) for p in parts)
+def _load_piece(backend: VllmBackend, piece_index: int, compile_range: Range, key: str
+                ) -> Callable:
+    """One piece compile from the compile cache only (the caller checked that the entry is
+    there): shared like `VllmBackend.compile_piece`, counted as a backend compilation and a
+    cache hit. Raises when it cannot be loaded."""
+    cache = backend.cache
+    assert cache is not None
+    compilation_counter.num_backend_compilations += 1
+    tag = compile_range.tag
+    shared = backend.shared_runnable(key, piece_index, tag)
+    if shared is not None:
+        return shared
+    name = backend.piece_entry(piece_index, compile_range)
+    with cache.lock(), backend.timer.phase("inductor compilation", piece=piece_index,
+                                           range=tag, backend="inductor",
+                                           cache="hit") as details:
+        path = cache.lookup(name, key)
+        if path is None:
+            details["cache"] = "missing"
+            raise FileNotFoundError(f"{name} is missing or damaged")
+        artifact = backend.compiler.load(path, cache.inductor_cache_dir)
+    cache.record(name, hit=True)
+    backend.share(key, piece_index, artifact)
+    return artifact

@@ -1,0 +1,65 @@
+"""Splitting the traced graph at the splitting ops (attention): one piece per stretch between
+them, and one per splitting-op call (which runs eagerly)."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def op_names(target: Any) -> set[str]:
+    """Names a splitting_ops entry may use for a call target: "ns::op" and "ns::op.overload"."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        base = target._qualified_op_name
+        return {base} | {f"{base}.{overload}" for overload in target.overloads()}
+    if isinstance(target, torch._ops.OpOverload):
+        base = target._schema.name
+        return {base, f"{base}.{target._overloadname}"}
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    module = getattr(target, "__module__", None)
+    return {f"{module}.{name}"} if name and module else set()
+
+
+@dataclasses.dataclass
+class SplitItem:
+    index: int
+    name: str
+    """Attribute name of the submodule in the split module ("submod_<id>")."""
+    is_splitting: bool
+    graph: fx.GraphModule
+
+
+def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]
+                ) -> tuple[fx.GraphModule, list[SplitItem]]:
+    """Split at every call of a splitting op; each such call gets a submodule of its own."""
+    wanted = set(splitting_ops)
+    subgraph_of: dict[fx.Node, int] = {}
+    splitting_ids: set[int] = set()
+    current = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(node.args[0], fx.Node) and node.args[0] in subgraph_of and \
+                subgraph_of[node.args[0]] in splitting_ids:
+            subgraph_of[node] = subgraph_of[node.args[0]]  # stays with its op's outputs
+            continue
+        if node.op == "call_function" and op_names(node.target) & wanted:
+            current += 1
+            subgraph_of[node] = current
+            splitting_ids.add(current)
+            current += 1
+        else:
+            subgraph_of[node] = current
+    split_gm = torch.fx.passes.split_module.split_module(
+        gm, None, lambda node: subgraph_of[node], keep_original_order=True)
+    items = []
+    names = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
+    for i, name in enumerate(names):
+        sub_id = int(name.rsplit("_", 1)[1])
+        items.append(SplitItem(i, name, sub_id in splitting_ids, getattr(split_gm, name)))
+    return split_gm, items
