@@ -220,10 +220,11 @@ _prewarm: threading.Thread | None = None
 def start_inductor_prewarm(vllm_config: VllmConfig | None = None) -> None:
     """Start, in a background thread, what Inductor does once per process before its first
     CPU compile or load: probing the CPU's vector ISA (it builds and loads a test library per
-    candidate ISA, each in a child process: 1-1.5 s on the dev machines; answered from the
-    memo of an earlier start when the compile cache is on, see vec_isa_memo.py). It then
-    overlaps the weight loading and the Dynamo trace instead of adding to a warm start;
-    `wait_inductor_prewarm()` joins it before the first Inductor call."""
+    candidate ISA, each in a child process: 1-1.5 s on the dev machines) and hashing torch's
+    source (`torch_key()`); both from the memo of an earlier start when the compile cache is
+    on (inductor_memo.py). It then overlaps the weight loading and the Dynamo trace instead
+    of adding to a warm start; `wait_inductor_prewarm()` joins it before the first Inductor
+    call."""
     global _prewarm
     if _prewarm is not None:
         return
@@ -236,10 +237,11 @@ def start_inductor_prewarm(vllm_config: VllmConfig | None = None) -> None:
 
     def probe() -> None:
         try:
-            from vllm.compilation.vec_isa_memo import pick_vec_isa
+            from vllm.compilation.inductor_memo import pick_vec_isa, prefill_torch_key
 
             pick_vec_isa(memo_dir)
-        except Exception as e:  # the real compile will meet (and report) the problem
+            prefill_torch_key(memo_dir)
+        except Exception as e:  # the real compile or load will meet (and report) the problem
             logger.debug("Inductor pre-warm failed: %s", e)
 
     _prewarm = threading.Thread(target=probe, name="vllm-inductor-prewarm", daemon=True)

@@ -1,4 +1,5 @@
-"""Inductor's vector-ISA build checks remembered between starts (vec_isa_memo.py)."""
+"""Inductor's vector-ISA build checks and torch_key() remembered between starts
+(inductor_memo.py)."""
 from __future__ import annotations
 
 import inspect
@@ -8,7 +9,7 @@ import pytest
 from torch._inductor import config as inductor_config
 from torch._inductor import cpu_vec_isa
 
-from vllm.compilation.vec_isa_memo import MEMO, pick_vec_isa
+from vllm.compilation.inductor_memo import MEMO, TORCH_KEY_MEMO, pick_vec_isa, prefill_torch_key
 
 
 def _forget_probes() -> None:
@@ -63,3 +64,29 @@ def test_checks_are_answered_from_the_memo_of_an_earlier_start(tmp_path, probes,
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", True)
     pick_vec_isa(str(tmp_path))
     assert len(probes) > 3 * first  # (the avx512 extension checks still run then)
+
+
+def test_torch_key_is_set_from_the_memo(tmp_path, monkeypatch):
+    from torch._inductor import codecache
+
+    real = codecache.torch_key()
+    prefill_torch_key(str(tmp_path))  # computed (here: already), then remembered
+    memo = json.loads((tmp_path / TORCH_KEY_MEMO).read_text())
+    assert bytes.fromhex(memo["key"]) == real
+    # A new process: set from the memo, not computed.
+    codecache.torch_key.clear()
+    try:
+        monkeypatch.setattr(codecache, "build_code_hash",
+                            lambda *a: pytest.fail("torch's source hashed again"))
+        prefill_torch_key(str(tmp_path))
+        assert codecache.torch_key() == real
+        # Another torch (other fingerprint): computed again.
+        memo["fingerprint"]["torch"] = "0.0"
+        (tmp_path / TORCH_KEY_MEMO).write_text(json.dumps(memo))
+        codecache.torch_key.clear()
+        monkeypatch.undo()
+        prefill_torch_key(str(tmp_path))
+        assert codecache.torch_key() == real
+    finally:
+        codecache.torch_key.clear()
+        codecache.torch_key.set(real)

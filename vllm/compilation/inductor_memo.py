@@ -1,0 +1,142 @@
+"""What Inductor computes once per process before its first CPU load, remembered between
+processes under the compile-cache root (both were on the path of every warm start).
+
+- The vector-ISA probe: Inductor checks every vector ISA the CPU reports (avx2, avx512, ...)
+  by building a test library with its flags and loading it in a child Python process, one per
+  ISA (about 1 s on the dev machines). The answers only change with the machine, the C++
+  compiler, torch or the Python that loads the libraries: `inductor_vec_isa.json` keeps them
+  under a fingerprint of those, and a later start with the same fingerprint answers Inductor's
+  checks from it (a check it has no answer for still runs). Not used with an explicit
+  `vec_isa_ok` in Inductor's config.
+- `torch_key()`, the hash of torch's Python source that every Inductor artifact is checked
+  against (0.1-0.2 s of reading files): `inductor_torch_key.json` keeps it under torch's
+  version, location and the times of its files' directories (as our cache key, it assumes a
+  torch install is not edited in place without that showing), and sets it with Inductor's own
+  `torch_key.set()`.
+
+Neither is used with the compile cache off (no directory).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+MEMO = "inductor_vec_isa.json"
+TORCH_KEY_MEMO = "inductor_torch_key.json"
+
+
+def _fingerprint() -> dict[str, Any]:
+    import torch
+    from torch._inductor import config
+
+    from vllm.compilation.cache import _cpu_flags
+
+    cxx = config.cpp.cxx
+    compiler = None
+    for name in cxx if isinstance(cxx, (list, tuple)) else (cxx,):
+        path = shutil.which(name) if name else None
+        if path:
+            real = os.path.realpath(path)
+            stat = os.stat(real)
+            compiler = f"{real}:{stat.st_size}:{int(stat.st_mtime)}"
+            break
+    env = {k: os.environ.get(k) for k in ("CXX", "CPATH", "LD_LIBRARY_PATH")}
+    return {"torch": torch.__version__, "python": sys.executable, "cpu": _cpu_flags(),
+            "compiler": compiler, "env": env}
+
+
+def pick_vec_isa(directory: str | None) -> None:
+    """`torch._inductor.cpu_vec_isa.pick_vec_isa()`, with its build checks answered from the
+    memo in `directory` where it has them (None: probe as Inductor does)."""
+    from torch._inductor import config, cpu_vec_isa
+
+    if directory is None or config.cpp.vec_isa_ok is not None or \
+            not hasattr(cpu_vec_isa.VecISA, "check_build"):
+        cpu_vec_isa.pick_vec_isa()
+        return
+    path = os.path.join(directory, MEMO)
+    fingerprint = _fingerprint()
+    saved: dict[str, bool] = {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("fingerprint") == fingerprint:
+            saved = {k: v for k, v in data["results"].items() if isinstance(v, bool)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    original = cpu_vec_isa.VecISA.check_build
+    seen: dict[str, bool] = {}
+
+    def check_build(isa: Any, code: str) -> bool:
+        digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+        key = f"{isa}|{getattr(isa, '_arch_flags', '')}|{digest}"
+        result = saved[key] if key in saved else bool(original(isa, code))
+        seen[key] = result
+        return result
+
+    cpu_vec_isa.VecISA.check_build = check_build
+    try:
+        picked = cpu_vec_isa.pick_vec_isa()
+    finally:
+        cpu_vec_isa.VecISA.check_build = original
+    if all(key in saved for key in seen):
+        logger.debug("Inductor vector ISA %s (checks from %s)", picked, path)
+        return
+    _write_json(directory, MEMO, {"fingerprint": fingerprint,
+                                  "results": {**saved, **seen}})
+
+
+def _write_json(directory: str, name: str, data: dict[str, Any]) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, name)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.debug("could not save %s: %s", name, e)
+
+
+def _torch_fingerprint() -> dict[str, Any]:
+    import torch
+
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    times = {}
+    for sub in ("", "_inductor", "_dynamo", "_functorch", "fx"):
+        path = os.path.join(root, sub)
+        with contextlib.suppress(OSError):
+            times[sub or "."] = os.stat(path).st_mtime_ns
+    return {"torch": torch.__version__, "root": root, "dir_times": times}
+
+
+def prefill_torch_key(directory: str | None) -> None:
+    """Compute Inductor's `torch_key()` now (in the pre-warm thread), or set it from the memo
+    in `directory`."""
+    from torch._inductor.codecache import torch_key
+
+    if directory is None or not hasattr(torch_key, "set"):
+        torch_key()
+        return
+    path = os.path.join(directory, TORCH_KEY_MEMO)
+    fingerprint = _torch_fingerprint()
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("fingerprint") == fingerprint:
+            with contextlib.suppress(RuntimeError):  # already computed in this process
+                torch_key.set(bytes.fromhex(data["key"]))
+            return
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    _write_json(directory, TORCH_KEY_MEMO, {"fingerprint": fingerprint,
+                                            "key": torch_key().hex()})
