@@ -37,6 +37,7 @@ import torch
 
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.debug_dump import CompilationStageError
+from vllm.compilation.graph_runner import GuardMismatch
 from vllm.compilation.monitor import get_startup_timer
 from vllm.config.compilation import CompilationMode
 from vllm.logger import init_logger
@@ -199,8 +200,6 @@ class _CompileState:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         cached = self.cached_graph
         if cached is not None:
-            from vllm.compilation.graph_cache import GuardMismatch
-
             try:
                 return cached(args, kwargs)
             except GuardMismatch as e:
