@@ -17,8 +17,10 @@ import textwrap
 import pytest
 
 try:
+    from tests.compile.cache_logs import cache_dir_in, same_key_or_skip
     from tests.model_executor.hf_checkpoints import make_llama
 except ImportError:  # tests/ itself on sys.path
+    from compile.cache_logs import cache_dir_in, same_key_or_skip
     from model_executor.hf_checkpoints import make_llama
 
 from vllm.compilation.cache import compute_cache_factors, compute_cache_key
@@ -66,17 +68,6 @@ def finish(proc: subprocess.Popen) -> tuple[dict, str]:
     assert proc.returncode == 0, err[-4000:]
     line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):]), err
-
-
-def cache_dir_in(log: str) -> str:
-    return log.split("compile cache: using ", 1)[1].split()[0]
-
-
-def same_key_or_skip(first: str, later: str) -> None:
-    """The key covers our source: an edit of vllm/ between the processes (someone working in
-    the same checkout) rightly moves the cache to a new directory."""
-    if cache_dir_in(first) != cache_dir_in(later):
-        pytest.skip("the package source changed while the test ran (new cache key)")
 
 
 def key(**engine_args) -> str:

@@ -21,8 +21,10 @@ import textwrap
 import pytest
 
 try:
+    from tests.compile.cache_logs import cache_dir_in, same_key_or_skip
     from tests.model_executor.hf_checkpoints import make_llama, make_qwen3
 except ImportError:  # tests/ itself on sys.path
+    from compile.cache_logs import cache_dir_in, same_key_or_skip
     from model_executor.hf_checkpoints import make_llama, make_qwen3
 
 from vllm.compilation.graph_cache import GRAPH_ENTRY
@@ -80,17 +82,6 @@ def run(tmp_path, model: str, env: dict | None = None, **options) -> tuple[dict,
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):]), proc.stderr
-
-
-def cache_dir_in(log: str) -> str:
-    return log.split("compile cache: using ", 1)[1].split()[0]
-
-
-def same_key_or_skip(first: str, later: str) -> None:
-    """The key covers our source: an edit of vllm/ between the processes (someone working in
-    the same checkout) rightly moves the cache to a new directory."""
-    if cache_dir_in(first) != cache_dir_in(later):
-        pytest.skip("the package source changed while the test ran (new cache key)")
 
 
 def assert_warm(result: dict, log: str) -> None:
