@@ -68,3 +68,19 @@ def test_traced_by_the_compiler():
     for rows in (9, 2):  # symbolic token count: one compile serves both
         x = torch.randn(rows, 16)
         torch.testing.assert_close(compiled(x), F.linear(x.relu(), weight).sum(-1))
+
+
+def test_background_prepacking_registers_every_queued_weight():
+    """What the engine does while it loads: queue, go on, wait before ready."""
+    gc.collect()
+    weights = [torch.nn.Parameter(torch.randn(64, 32), requires_grad=False) for _ in range(5)]
+    before = cpl.num_prepacked()
+    assert all(cpl.prepack_in_background(w) for w in weights)
+    assert not cpl.prepack_in_background(torch.randn(4, 4, dtype=torch.bfloat16))
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(linear(x, weights[-1]), F.linear(x, weights[-1]))  # any state
+    assert cpl.wait_for_prepacking() >= 0.0
+    assert cpl.num_prepacked() == before + len(weights)
+    for w in weights:
+        assert linear_route(x, w) == "packed"
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -69,7 +69,7 @@ class UniProcExecutor(Executor):
             self._call_all("initialize_cache", self.num_blocks)
         self._log_kv_cache()
         nested = ("dynamo tracing", "graph loading", "inductor compilation",
-                  "cudagraph capture")
+                  "cudagraph capture", "weight prepacking")
         before = sum(timer.seconds(name) for name in nested)
         with timer.phase("warm-up"):
             self._call_all("compile_or_warm_up_model")

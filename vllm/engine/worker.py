@@ -169,7 +169,13 @@ class Worker:
     def compile_or_warm_up_model(self) -> None:
         """Warm-up forwards that compile the model (Dynamo trace, the dynamic graph, each
         compile size) and capture the CUDA graphs, before the engine reports ready."""
+        from vllm.compilation.monitor import get_startup_timer
+        from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
+
         self.model_runner.compile_or_warm_up_model()
+        waited = wait_for_prepacking()  # the weights queued while loading (CPU, -O2/-O3)
+        if waited > 0.005:
+            get_startup_timer().record("weight prepacking", waited, note="waited at the end")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

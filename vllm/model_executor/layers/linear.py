@@ -79,7 +79,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     """Plain weights. In a compiled model (-O1..-O3) a float32 CPU product goes through the
     opaque C++ dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py), the kernels of
     `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured slower here); with
-    `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the weight is also reordered for oneDNN after loading and the op computes with that copy.
+    `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the weight is also
+    reordered for oneDNN after loading (in the background, done before the engine is ready)
+    and the op computes with that copy.
     With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
     which folds and prepacks them itself."""
 
@@ -105,11 +107,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight = layer.weight
         if self.compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
             from vllm.model_executor.layers.cpu_linear import cpu_linear_op
-            from vllm.model_executor.layers.cpu_prepacked_linear import prepack
+            from vllm.model_executor.layers.cpu_prepacked_linear import prepack_in_background
 
             self.cpu_op = cpu_linear_op()
             if self.want_prepack:
-                prepack(weight)
+                prepack_in_background(weight)  # done before the engine reports ready
 
     def apply(self, layer, x, bias=None):
         if self.cpu_op is not None:
