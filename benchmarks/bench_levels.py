@@ -5,7 +5,8 @@ and each level -O0..-O3, in fresh processes: time to ready with an empty compile
 and with the cache the cold run filled (warm), then decode tokens/s at batch 1 and batch 16
 (the warm process measures). Batch-1 decode is also given as a fraction of the memory-
 bandwidth roofline: bytes read per token (weights + KV) divided by the read bandwidth the
-measuring process sees next to its timed decodes (see `Bandwidth`). Writes markdown, JSON and a PNG plot to benchmarks/results/.
+measuring process sees next to its timed decodes (see `Bandwidth`). Writes markdown, JSON
+and a PNG plot to benchmarks/results/.
 
     python benchmarks/bench_levels.py --models demo qwen2.5-0.5b --max-tokens 32
 """

@@ -6,15 +6,16 @@ import os
 
 SHAPES = {
     # Qwen2.5-0.5B's published shape (random weights).
-    "qwen2.5-0.5b": dict(arch="Qwen2ForCausalLM", hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         vocab_size=151936, max_position_embeddings=32768,
-                         tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2.5-0.5b": {"arch": "Qwen2ForCausalLM", "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "vocab_size": 151936,
+                     "max_position_embeddings": 32768, "tie_word_embeddings": True,
+                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
     # The 50M Llama of spec/cpu-performance.md.
-    "llama-50m": dict(arch="LlamaForCausalLM", hidden_size=512, intermediate_size=1376,
-                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                      vocab_size=32000, max_position_embeddings=2048,
-                      tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "llama-50m": {"arch": "LlamaForCausalLM", "hidden_size": 512, "intermediate_size": 1376,
+                  "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+                  "vocab_size": 32000, "max_position_embeddings": 2048,
+                  "tie_word_embeddings": False, "rms_norm_eps": 1e-5},
 }
 
 

@@ -5,8 +5,9 @@ from transformers import LlamaConfig, MixtralConfig
 
 from vllm.config import ModelConfig
 
-_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
+_SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+          "max_position_embeddings": 512}
 
 
 def dense() -> ModelConfig:
