@@ -5,6 +5,7 @@ parameter; the Python fallback op `vllm::cpu_prepacked_linear` matches too."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -84,3 +85,13 @@ def test_background_prepacking_registers_every_queued_weight():
     for w in weights:
         assert linear_route(x, w) == "packed"
         torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_background_thread_ends_with_the_wait():
+    """A live thread that ran OpenMP work slows the main thread's parallel regions: the
+    prepacking thread must be gone once `wait_for_prepacking` returns."""
+    weight = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
+    assert cpl.prepack_in_background(weight)
+    cpl.wait_for_prepacking()
+    assert not [t for t in threading.enumerate() if t.name == "vllm-prepack"]
+    assert cpl.wait_for_prepacking() == 0.0  # nothing queued: no thread, no wait
