@@ -177,3 +177,40 @@ def test_stat_observer_counts_tokens_and_ttft(fake):
     assert metrics.ttft.count == 3
     assert metrics.finished["length"] == 3
     assert metrics.generation_tokens_per_second() > 0
+
+
+def test_engine_built_and_stepped_in_the_engine_thread():
+    """`build_engine` runs in the engine thread, which then steps it: the caller's thread
+    does no model work (a second thread with an OpenMP team slows the engine's)."""
+    import threading
+
+    threads = {}
+
+    class Recording(FakeEngine):
+        def step(self):
+            threads["step"] = threading.current_thread().name
+            return super().step()
+
+    def build():
+        threads["build"] = threading.current_thread().name
+        return Recording(step_delay=0.001)
+
+    llm = AsyncLLM(build_engine=build)
+    try:
+        async def go():
+            return [o async for o in llm.generate("hi", greedy(3), "r0")][-1]
+
+        assert run(go()).finished
+        assert threads == {"build": "vllm-engine-loop", "step": "vllm-engine-loop"}
+    finally:
+        llm.shutdown()
+
+
+def test_a_failed_build_is_raised_to_the_caller():
+    def build():
+        raise ValueError("bad model path 'nowhere'")
+
+    with pytest.raises(ValueError, match="nowhere"):
+        AsyncLLM(build_engine=build)
+    with pytest.raises(TypeError, match="exactly one"):
+        AsyncLLM()

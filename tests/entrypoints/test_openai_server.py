@@ -243,9 +243,17 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert after == before + 1
 
 
-def test_metrics_after_traffic(server):
-    text = metrics(server)
-    assert metric_value(text, "vllm:generation_tokens_total") > 1000
-    assert metric_value(text, "vllm:time_to_first_token_seconds_count") >= 64
+def test_metrics_after_traffic(server, client):
+    """Counts move by exactly this test's traffic (whatever else ran on this server: under
+    pytest-xdist the module's tests are spread over workers, each with its own server)."""
+    before = metrics(server)
+    gen0 = metric_value(before, "vllm:generation_tokens_total") or 0
+    ttft0 = metric_value(before, "vllm:time_to_first_token_seconds_count") or 0
+    for _ in range(4):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=300, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    text = wait_pool_free(server)
+    assert metric_value(text, "vllm:generation_tokens_total") - gen0 == 1200
+    assert metric_value(text, "vllm:time_to_first_token_seconds_count") - ttft0 == 4
     assert 'vllm:startup_phase_seconds{model_name="tiny",phase=' in text
     assert metric_value(text, "vllm:kv_cache_usage_perc") == 0.0

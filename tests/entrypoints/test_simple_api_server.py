@@ -39,10 +39,12 @@ def test_generate(server):
 
 
 def test_generate_stream(server):
-    final = generate(server, {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
+    # Long enough to stream in several chunks: the stream sends the newest cumulative output,
+    # so a few tokens generated between two reads arrive as one chunk.
+    body = {"prompt": PROMPT, "max_tokens": 256, "temperature": 0, "ignore_eos": True}
+    final = generate(server, body).json()
     with httpx.stream("POST", server.url + "/generate", timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                            "stream": True}) as resp:
+                      json={**body, "stream": True}) as resp:
         raw = b"".join(resp.iter_bytes())
     assert raw.endswith(b"\0")
     chunks = [json.loads(part) for part in raw.decode().split("\0") if part]
