@@ -37,22 +37,29 @@ CHILD = textwrap.dedent("""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.compilation.counter import compilation_counter as c
-    options = json.loads(sys.argv[2])
-    llm = LLM(model=sys.argv[1], max_model_len=128, max_num_batched_tokens=24, max_num_seqs=8,
-              kv_cache_memory="16MiB", enable_prefix_caching=False, **options)
-    g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(3, 384, (n,), generator=g).tolist()}
-               for n in [1, 5, 37, 3, 18, 9, 26, 2]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
-              for n in [6, 10, 4, 8, 3, 9, 5, 7]]
-    out = llm.generate(prompts, params, use_tqdm=False)
-    engine = llm.llm_engine
-    print("RESULT " + json.dumps({
-        "tokens": [o.outputs[0].token_ids for o in out], "inductor": c.num_inductor_compiles,
-        "hits": c.num_cache_hits, "misses": c.num_cache_misses, "corrupt": c.num_cache_corrupt,
-        "traces": c.num_graphs_seen, "loaded": c.num_graphs_loaded, "saved": c.num_graphs_saved,
-        "recompiles": c.num_recompiles, "phases": engine.startup_phases,
-        "counts": {k: v["count"] for k, v in engine.startup_report["phases"].items()}}))
+
+
+    def main():
+        options = json.loads(sys.argv[2])
+        llm = LLM(model=sys.argv[1], max_model_len=128, max_num_batched_tokens=24, max_num_seqs=8,
+                  kv_cache_memory="16MiB", enable_prefix_caching=False, **options)
+        g = torch.Generator().manual_seed(0)
+        prompts = [{"prompt_token_ids": torch.randint(3, 384, (n,), generator=g).tolist()}
+                   for n in [1, 5, 37, 3, 18, 9, 26, 2]]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+                  for n in [6, 10, 4, 8, 3, 9, 5, 7]]
+        out = llm.generate(prompts, params, use_tqdm=False)
+        engine = llm.llm_engine
+        print("RESULT " + json.dumps({
+            "tokens": [o.outputs[0].token_ids for o in out], "inductor": c.num_inductor_compiles,
+            "hits": c.num_cache_hits, "misses": c.num_cache_misses, "corrupt": c.num_cache_corrupt,
+            "traces": c.num_graphs_seen, "loaded": c.num_graphs_loaded, "saved": c.num_graphs_saved,
+            "recompiles": c.num_recompiles, "phases": engine.startup_phases,
+            "counts": {k: v["count"] for k, v in engine.startup_report["phases"].items()}}))
+
+
+    if __name__ == "__main__":  # tensor parallel workers are spawned
+        main()
 """)
 
 
@@ -107,6 +114,24 @@ def test_warm_start_skips_dynamo_and_matches_cold_and_o0(tmp_path, checkpoints, 
     assert directory.endswith("rank_0") and os.path.isfile(os.path.join(directory, GRAPH_ENTRY))
 
     warm, warm_log = run(tmp_path, path)
+    same_key_or_skip(cold_log, warm_log)
+    assert_warm(warm, warm_log)
+    assert warm["tokens"] == cold["tokens"] == eager["tokens"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_keep_their_own_graphs(tmp_path, checkpoints):
+    """Each rank's traced graph has constants of its own (e.g. its vocabulary shard's
+    offset): every rank saves and loads its own entry (rank_<r>/), and a warm TP=2 start
+    generates what the cold one and -O0 do."""
+    path = checkpoints("llama")
+    eager, _ = run(tmp_path, path, optimization_level=0, tensor_parallel_size=2)
+    cold, cold_log = run(tmp_path, path, tensor_parallel_size=2)
+    directory = cache_dir_in(cold_log)
+    for rank in (0, 1):
+        entry = os.path.join(os.path.dirname(directory), f"rank_{rank}", GRAPH_ENTRY)
+        assert os.path.isfile(entry), cold_log[-3000:]
+    warm, warm_log = run(tmp_path, path, tensor_parallel_size=2)
     same_key_or_skip(cold_log, warm_log)
     assert_warm(warm, warm_log)
     assert warm["tokens"] == cold["tokens"] == eager["tokens"]

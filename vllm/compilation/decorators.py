@@ -156,9 +156,13 @@ class _CompileState:
     def _vllm_backend(self) -> Any:
         if self.vllm_backend is None:
             from vllm.compilation.backends import VllmBackend
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+            # Each tensor-parallel rank keeps its own cache entry (rank_<r>/): its graph
+            # carries its own shard shapes and collectives.
             self.vllm_backend = VllmBackend(self.vllm_config,
-                                            _model_source_files(self.model_ref))
+                                            _model_source_files(self.model_ref),
+                                            rank=get_tensor_model_parallel_rank())
         return self.vllm_backend
 
     def _on_recompile(self, gm: torch.fx.GraphModule) -> None:
