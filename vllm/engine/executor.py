@@ -125,10 +125,30 @@ class MultiprocExecutor(UniProcExecutor):
         self.worker = Worker(vllm_config, rank=0, local_rank=0,
                              distributed_init_method=init_method)
         try:
+            self._wait_until_started()
             self._start(load_format)
         except BaseException:
             self.shutdown()
             raise
+
+    def _wait_until_started(self) -> None:
+        """Each worker says "started" once it runs: rank 0 must not enter the process-group
+        rendezvous (which waits for every rank, for minutes) with a worker that died while
+        starting (e.g. a script without `if __name__ == "__main__":`, which spawned workers
+        re-import)."""
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
+            try:
+                while not conn.poll(0.2):
+                    if not proc.is_alive():
+                        raise EOFError
+                conn.recv()
+            except EOFError:
+                proc.join(timeout=5)
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {rank} exited while starting (exit code "
+                    f"{proc.exitcode}; its error is printed above). Workers are spawned "
+                    "processes that import the main script again: in a script, start the "
+                    "engine under `if __name__ == \"__main__\":`.") from None
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         for conn in self._conns:
@@ -179,6 +199,7 @@ def _stop_workers(procs: list[Any], conns: list[Any]) -> None:
 
 def _worker_main(vllm_config: VllmConfig, rank: int, init_method: str, conn: Any) -> None:
     """A tensor-parallel rank > 0: run Worker methods as rank 0 asks, answer each call."""
+    conn.send(("started", None))
     worker = Worker(vllm_config, rank=rank, local_rank=rank,
                     distributed_init_method=init_method)
     try:
