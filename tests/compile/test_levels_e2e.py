@@ -135,6 +135,17 @@ def check_startup_table(llm: LLM, wall: float, caplog) -> None:
 SIZES = [1, 2, 4, 8, 16]
 
 
+def serve_and_compare(llm, tokens0, logprobs0, atol: float) -> None:
+    """Compiled during start-up: serving compiles and traces nothing, and generates what -O0
+    does."""
+    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0,
+                                    num_recompiles=0):
+        tokens, logprobs = run(llm)
+    assert tokens == tokens0
+    assert_logprobs_close(logprobs, logprobs0, atol=atol)
+    llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize("model,level,sizes", [
     ("llama", 1, None), ("llama", 2, None), ("llama", 3, None), ("llama", 3, SIZES),
     ("qwen3", 1, None), ("qwen3", 3, SIZES),
@@ -163,13 +174,7 @@ def test_level_matches_o0_eager_backend(checkpoints, model, level, sizes, caplog
     linears = 4 if model != "mixtral" else 3  # qkv, o, gate_up, down (Mixtral: MoE, gate)
     assert cpl.num_prepacked() - prepacked == (NUM_LAYERS * linears if level >= 2 else 0)
     check_startup_table(llm, wall, caplog)
-    # Compiled during start-up: serving compiles and traces nothing.
-    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0,
-                                    num_recompiles=0):
-        tokens, logprobs = run(llm)
-    assert tokens == tokens0
-    assert_logprobs_close(logprobs, logprobs0, atol=1e-4)
-    llm.llm_engine.shutdown()
+    serve_and_compare(llm, tokens0, logprobs0, atol=1e-4)
 
 
 def test_o0_compiles_nothing_and_reports_its_startup(checkpoints, caplog):
@@ -194,12 +199,7 @@ def test_inductor_o2_matches_o0(checkpoints, caplog, tmp_path):
     assert all(e["backend"] == "inductor" and e["cache"] in ("hit", "miss", "off")
                for e in events)
     assert "compile cache: " in caplog.text
-    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0,
-                                    num_recompiles=0):
-        tokens, logprobs = run(llm)
-    assert tokens == tokens0
-    assert_logprobs_close(logprobs, logprobs0, atol=2e-4)
-    llm.llm_engine.shutdown()
+    serve_and_compare(llm, tokens0, logprobs0, atol=2e-4)
 
 
 @pytest.mark.slow
@@ -212,9 +212,4 @@ def test_inductor_o3_whole_graph_matches_o0(checkpoints, caplog, tmp_path):
         llm, wall = build(checkpoints("qwen3"), 3, caplog, backend="inductor",
                           cache_dir=str(tmp_path / "compile_cache"))
     check_startup_table(llm, wall, caplog)
-    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0,
-                                    num_recompiles=0):
-        tokens, logprobs = run(llm)
-    assert tokens == tokens0
-    assert_logprobs_close(logprobs, logprobs0, atol=2e-4)
-    llm.llm_engine.shutdown()
+    serve_and_compare(llm, tokens0, logprobs0, atol=2e-4)
