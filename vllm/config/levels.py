@@ -28,7 +28,9 @@ class OptimizationLevel(enum.IntEnum):
     """O1 + full and piecewise CUDA graphs, no-op elimination and fusion passes; CPU: linear
     weights prepacked for oneDNN. The default."""
     O3 = 3
-    """O2 + Inductor autotuning and per-size compiles for common decode sizes: tune for speed."""
+    """O2 + Inductor autotuning and per-size compiles for common decode sizes: tune for speed.
+    CPU: those measured no faster there, so its platform turns them off and compiles the
+    whole model as one graph instead (vllm/platforms/cpu.py)."""
 
     @classmethod
     def parse(cls, value: Any) -> OptimizationLevel:
