@@ -1,7 +1,19 @@
-"""Reading the compile-cache lines of a child engine's log (the e2e cache tests)."""
+"""Child engine processes of the e2e cache tests: their environment and their logs."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def child_env(tmp_path, extra: dict | None = None) -> dict:
+    """A child's environment: a cache root of the test's own, the cache on, recompiles are
+    errors."""
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "root"),
+               VLLM_TEST_FAIL_ON_RECOMPILE="1")
+    env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+    env.update(extra or {})
+    return env
 
 
 def cache_dir_in(log: str) -> str:

@@ -17,10 +17,10 @@ import textwrap
 import pytest
 
 try:
-    from tests.compile.cache_logs import cache_dir_in, same_key_or_skip
+    from tests.compile.cache_logs import cache_dir_in, child_env, same_key_or_skip
     from tests.model_executor.hf_checkpoints import make_llama
 except ImportError:  # tests/ itself on sys.path
-    from compile.cache_logs import cache_dir_in, same_key_or_skip
+    from compile.cache_logs import cache_dir_in, child_env, same_key_or_skip
     from model_executor.hf_checkpoints import make_llama
 
 from vllm.compilation.cache import compute_cache_factors, compute_cache_key
@@ -56,11 +56,9 @@ def start(tmp_path, model: str, **options) -> subprocess.Popen:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     options.setdefault("optimization_level", 2)
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "root"),
-               VLLM_TEST_FAIL_ON_RECOMPILE="1")
-    env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
     return subprocess.Popen([sys.executable, str(script), model, json.dumps(options)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env(tmp_path))
 
 
 def finish(proc: subprocess.Popen) -> tuple[dict, str]:

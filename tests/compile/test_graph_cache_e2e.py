@@ -21,10 +21,10 @@ import textwrap
 import pytest
 
 try:
-    from tests.compile.cache_logs import cache_dir_in, same_key_or_skip
+    from tests.compile.cache_logs import cache_dir_in, child_env, same_key_or_skip
     from tests.model_executor.hf_checkpoints import make_llama, make_qwen3
 except ImportError:  # tests/ itself on sys.path
-    from compile.cache_logs import cache_dir_in, same_key_or_skip
+    from compile.cache_logs import cache_dir_in, child_env, same_key_or_skip
     from model_executor.hf_checkpoints import make_llama, make_qwen3
 
 from vllm.compilation.graph_cache import GRAPH_ENTRY
@@ -80,12 +80,8 @@ def run(tmp_path, model: str, env: dict | None = None, **options) -> tuple[dict,
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     options.setdefault("optimization_level", 2)
-    child_env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "root"),
-                     VLLM_TEST_FAIL_ON_RECOMPILE="1")
-    child_env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
-    child_env.update(env or {})
     proc = subprocess.run([sys.executable, str(script), model, json.dumps(options)],
-                          capture_output=True, text=True, env=child_env, timeout=900)
+                          capture_output=True, text=True, env=child_env(tmp_path, env), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):]), proc.stderr

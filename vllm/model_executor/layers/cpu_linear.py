@@ -87,10 +87,12 @@ def linear_route(x: torch.Tensor, weight: torch.Tensor,
     "onednn", "aten" (F.linear)."""
     if small_m_linear_available():
         return torch.ops.vllm_cpu_linear.linear_route(x, weight, bias)
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == x.dtype
-            and onednn_linear_enabled()):
-        return "onednn"
-    return "aten"
+    return "onednn" if x.device.type == "cpu" and _onednn_without_cpp(x, weight) else "aten"
+
+
+def _onednn_without_cpp(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Without the C++ build: float32 products go to oneDNN (the only route left)."""
+    return x.dtype == torch.float32 and weight.dtype == x.dtype and onednn_linear_enabled()
 
 
 def dispatch_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -102,7 +104,7 @@ def dispatch_linear(x: torch.Tensor, weight: torch.Tensor,
         return F.linear(x, weight, bias)
     if small_m_linear_available():
         return torch.ops.vllm_cpu_linear.linear(x, weight, bias)
-    if x.dtype == torch.float32 and weight.dtype == x.dtype and onednn_linear_enabled():
+    if _onednn_without_cpp(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

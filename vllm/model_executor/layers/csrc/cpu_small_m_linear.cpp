@@ -285,7 +285,7 @@ at::Tensor find_packed(const at::Tensor& weight) {
   std::lock_guard<std::mutex> guard(g_packed_mutex);
   auto it = g_packed.find(weight.data_ptr());
   if (it == g_packed.end() || it->second.version != weight._version() ||
-      it->second.sizes != weight.sizes().vec())
+      !weight.sizes().equals(it->second.sizes))
     return at::Tensor();
   return it->second.packed;
 }
