@@ -90,3 +90,25 @@ def test_torch_key_is_set_from_the_memo(tmp_path, monkeypatch):
     finally:
         codecache.torch_key.clear()
         codecache.torch_key.set(real)
+
+
+def test_prewarm_imports_inductor_off_the_main_thread(tmp_path):
+    """The pre-warm thread imports Inductor's compiler and the modules every generated wrapper
+    imports (~1 s), so the first cached load on the main thread does not (fresh process: the
+    test session has imported them already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from vllm.compilation.compiler_interface import start_inductor_prewarm, "
+        "wait_inductor_prewarm\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+        "start_inductor_prewarm(None)\n"
+        "wait_inductor_prewarm()\n"
+        "missing = [m for m in ('torch._inductor.compile_fx', 'torch._inductor.select_algorithm')"
+        " if m not in sys.modules]\n"
+        "assert not missing, missing\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -241,6 +241,10 @@ def start_inductor_prewarm(vllm_config: VllmConfig | None = None) -> None:
 
             pick_vec_isa(memo_dir)
             prefill_torch_key(memo_dir)
+            # Inductor's compiler and the modules every generated wrapper imports: ~1 s of
+            # imports (GIL-bound) that otherwise run on the main thread at the first load.
+            import torch._inductor.compile_fx  # noqa: F401
+            import torch._inductor.select_algorithm  # noqa: F401
         except Exception as e:  # the real compile or load will meet (and report) the problem
             logger.debug("Inductor pre-warm failed: %s", e)
 

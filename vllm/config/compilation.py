@@ -174,8 +174,9 @@ class CompilationConfig:
     freezing: bool | None = None
     """Inductor freezing: weights become constants, prepacked for the CPU GEMM kernels."""
     prepack_linear_weights: bool | None = None
-    """CPU: float32 linear weights reordered for oneDNN once after loading, used by an opaque
-    op in the compiled graph; unlike freezing the weights stay graph inputs (cacheable)."""
+    """CPU: float32 linear weights (the LM head's included) reordered for oneDNN once after
+    loading, used by an opaque op in the compiled graph; unlike freezing the weights stay graph
+    inputs (cacheable). Costs each weight's size again in memory."""
     max_autotune: bool | None = None
     """Inductor max-autotune (benchmarks GEMM templates at compile time)."""
     coordinate_descent_tuning: bool | None = None

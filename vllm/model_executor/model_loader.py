@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from vllm.logger import init_logger
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.registry import ModelRegistry
 
 logger = init_logger(__name__)
@@ -59,6 +60,8 @@ def get_model(vllm_config: Any, load_format: str | None = "auto") -> nn.Module:
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+        elif isinstance(module, ParallelLMHead):
+            module.process_weights_after_loading()
     if getattr(model, "attention_layers", None) is None:
         from vllm.attention.layer import collect_attention_layers
 

@@ -18,7 +18,8 @@ cached like any other:
     for products of more than `SMALL_M_MAX_ROWS` rows; fewer rows (batch-1..4 decode) and a
     weight without a current copy (never prepacked, or changed in place since) take its other
     routes (the small-M kernel reads the plain weight faster than oneDNN).
-`compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) prepacks. Without the C++
+`compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) prepacks the decoder's linears
+and the LM head (ParallelLMHead, applied eagerly through `dispatch_linear`). Without the C++
 build there is no prepacking, and compiled models call the Python op below instead.
 """
 from __future__ import annotations

@@ -75,6 +75,27 @@ class LinearMethodBase:
         """Hook run once after all weights are loaded (repacking, scales)."""
 
 
+def compiled_with_opaque_linears() -> bool:
+    """Whether the model being built is compiled by our backend with its linears left opaque
+    to Inductor (every level from -O1, unless Inductor freezing was asked for)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.config.compilation import CompilationMode
+
+    config = get_current_vllm_config()
+    cc = config.compilation_config if config is not None else None
+    return cc is not None and cc.mode == CompilationMode.VLLM_COMPILE and not cc.freezing
+
+
+def prepacking_wanted() -> bool:
+    """Whether the model being built prepacks its float32 CPU linear weights, the LM head's
+    included (`compilation_config.prepack_linear_weights`: the CPU at -O2/-O3)."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config()
+    return (compiled_with_opaque_linears()
+            and bool(config.compilation_config.prepack_linear_weights))
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain weights. In a compiled model (-O1..-O3) a float32 CPU product goes through the
     opaque C++ dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py), the kernels of
@@ -86,14 +107,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     which folds and prepacks them itself."""
 
     def __init__(self) -> None:
-        from vllm.config import get_current_vllm_config
-        from vllm.config.compilation import CompilationMode
-
-        config = get_current_vllm_config()
-        cc = config.compilation_config if config is not None else None
-        self.compiled = (cc is not None and cc.mode == CompilationMode.VLLM_COMPILE
-                         and not cc.freezing)
-        self.want_prepack = self.compiled and bool(cc.prepack_linear_weights)
+        self.compiled = compiled_with_opaque_linears()
+        self.want_prepack = prepacking_wanted()
         self.cpu_op: Any = None
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes,
