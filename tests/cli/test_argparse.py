@@ -71,10 +71,16 @@ def test_no_duplicate_warning_for_single_level(caplog):
     assert duplicate_warnings(caplog) == []
 
 
-@pytest.mark.parametrize("value", ["4", '{"mode":3}', "-1"])
-def test_separate_O_with_non_level_left_to_argparse(capsys, value):
+@pytest.mark.parametrize("value", ["4", "banana", "-1", '{"mode":3}'])
+def test_separate_O_with_a_bad_level_names_it(capsys, value):
     line = parse_error(capsys, "-O", value)
-    assert "unrecognized arguments: -O" in line
+    assert f"Invalid optimization level '{value}'" in line and "0, 1, 2 or 3" in line
+    # The old meaning of -O (a compilation config) gets pointed at -cc.
+    assert ("-cc" in line) == value.startswith("{")
+
+
+def test_separate_O_before_another_flag_left_to_argparse(capsys):
+    assert "unrecognized arguments: -O" in parse_error(capsys, "-O", "--seed", "1")
 
 
 @pytest.mark.parametrize("argv, bad", [(["-O5"], "5"), (["-Ofast"], "fast"),

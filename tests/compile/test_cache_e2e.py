@@ -123,3 +123,21 @@ def test_warm_start_in_new_processes(tmp_path, llama):
     assert (e["graphs"], e["loaded"]) == (1, 0)  # a piece to compile: traced with Dynamo
     assert f"corrupt entry {artifact}" in err_e
     assert e["tokens"] == a["tokens"]
+
+    # A damaged kernel Inductor built (a .so in the entry's Inductor cache, which our
+    # checksums do not cover): the piece that fails to load is recompiled from an emptied
+    # Inductor cache (it would otherwise reuse the damaged file), and the next start hits.
+    kernels = [os.path.join(root, n) for root, _, names in
+               os.walk(os.path.join(directory, "inductor_cache")) for n in names
+               if n.endswith(".so")]
+    assert kernels
+    for path in kernels:
+        with open(path, "r+b") as f:
+            f.truncate(100)
+    g, err_g = finish(start(tmp_path, llama))
+    same_key_or_skip(err_a, err_g)
+    assert g["corrupt"] >= 1 and "emptying" in err_g, err_g[-3000:]
+    assert g["tokens"] == a["tokens"]
+    h, err_h = finish(start(tmp_path, llama))
+    assert (h["inductor"], h["hits"], h["corrupt"]) == (0, NUM_PIECES, 0), err_h[-3000:]
+    assert h["tokens"] == a["tokens"]

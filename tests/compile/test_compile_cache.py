@@ -66,6 +66,31 @@ def test_disabled_by_env_eager_and_dump(monkeypatch, tmp_path):
     assert cache_disabled_reason(config()) == "VLLM_DISABLE_COMPILE_CACHE=1"
 
 
+def test_disabled_by_env_turns_inductors_own_caches_off_too(monkeypatch):
+    """Otherwise Inductor's FX graph cache (in its default directory) still hands back
+    earlier compiles, and our passes do not run."""
+    from vllm.compilation.compiler_interface import inductor_config_patches
+
+    assert "force_disable_caches" not in inductor_config_patches(config(), None)
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+    assert inductor_config_patches(config(), None)["force_disable_caches"] is True
+
+
+def test_reset_inductor_cache_empties_the_entrys_inductor_directory(tmp_path, caplog):
+    cache = CompileCache(str(tmp_path))
+    assert not cache.reset_inductor_cache("nothing there")  # no directory yet
+    kernel = os.path.join(cache.inductor_cache_dir, "ab", "kernel.so")
+    os.makedirs(os.path.dirname(kernel))
+    with open(kernel, "wb") as f:
+        f.write(b"damaged")
+    cache.store("piece_0.bin", "g", _write(b"x"))
+    assert cache.reset_inductor_cache("piece 0 failed to load")
+    assert not os.path.exists(cache.inductor_cache_dir)
+    assert sorted(os.listdir(tmp_path)) == [".lock", "manifest.json", "piece_0.bin"]
+    assert cache.lookup("piece_0.bin", "g") is not None  # our own entries are kept
+    assert "emptying" in caplog.text and "piece 0 failed to load" in caplog.text
+
+
 def _write(data: bytes):
     def write(path: str) -> None:
         with open(path, "wb") as f:

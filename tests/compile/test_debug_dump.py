@@ -96,7 +96,12 @@ def test_failure_with_dump_points_at_it(tmp_path, monkeypatch):
     assert "eager compile of piece 0" in message
     assert str(tmp_path / "rank_0") in message and "-cc.debug_dump_path" not in message
     assert (tmp_path / "rank_0" / "graph.dynamo.py").is_file()  # what it had is written
-    assert "`piece_0.py`" in (tmp_path / "rank_0" / "index.md").read_text()
+    index = (tmp_path / "rank_0" / "index.md").read_text()
+    assert "`piece_0.py`" in index
+    # The index opens with the failure; failure.txt holds the message and the traceback.
+    assert "compilation FAILED during eager compile of piece 0" in index.split("- `")[0]
+    failure = (tmp_path / "rank_0" / "failure.txt").read_text()
+    assert "no kernel for you" in failure and "Traceback" in failure
 
 
 @pytest.mark.slow
@@ -107,3 +112,16 @@ def test_inductor_dump_records_output_code(tmp_path):
     for line in listing:
         path = line.split(": ", 1)[1]
         assert path.endswith("output_code.py") and os.path.isfile(path)
+
+
+def test_env_path_wins_with_a_warning_and_o0_says_it_dumps_nothing(tmp_path, monkeypatch,
+                                                                    caplog):
+    monkeypatch.setenv("VLLM_DEBUG_DUMP_PATH", str(tmp_path / "env"))
+    config = VllmConfig(optimization_level=1,
+                        compilation_config={"debug_dump_path": str(tmp_path / "cli")})
+    assert config.compilation_config.debug_dump_path == str(tmp_path / "env")
+    assert "overridden by VLLM_DEBUG_DUMP_PATH" in caplog.text
+    monkeypatch.delenv("VLLM_DEBUG_DUMP_PATH")
+    caplog.clear()
+    VllmConfig(optimization_level=0, compilation_config={"debug_dump_path": str(tmp_path)})
+    assert "compiles nothing, so nothing is dumped" in caplog.text

@@ -71,6 +71,28 @@ def test_bad_values():
         CompilationConfig(cudagraph_capture_sizes=[0, 8])
     with pytest.raises(ValueError, match="compile_sizes"):
         CompilationConfig(compile_sizes=["all"])
+    # A bare string is not iterated letter by letter ("unknown entry 'c'").
+    with pytest.raises(ValueError, match=r"compile_sizes must be a list.*got 'cudagraph_capt"):
+        CompilationConfig(compile_sizes="cudagraph_capture_sizes")
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes must be a list.*got 4"):
+        CompilationConfig(cudagraph_capture_sizes=4)
+
+
+def test_backend_checked_once_the_level_set_the_mode():
+    """The level sets the mode after CompilationConfig is built: the backend is checked at
+    config resolution (not after the weights are loaded)."""
+    with pytest.raises(ValueError, match="'bogus'.*must be 'inductor' or 'eager'"):
+        VllmConfig(model_config=model_configs.dense(), optimization_level=2,
+                   compilation_config={"backend": "bogus"})
+    with pytest.raises(ValueError, match="'bogus' is not a torch.compile backend.*aot_eager"):
+        VllmConfig(model_config=model_configs.dense(), optimization_level=2,
+                   compilation_config={"backend": "bogus", "mode": 1})
+    ok = VllmConfig(model_config=model_configs.dense(), optimization_level=2,
+                    compilation_config={"backend": "aot_eager", "mode": 1})
+    assert ok.compilation_config.backend == "aot_eager"
+    # -O0 compiles nothing: the backend is not used.
+    VllmConfig(model_config=model_configs.dense(), optimization_level=0,
+               compilation_config={"backend": "bogus"})
 
 
 def _hash(**kwargs) -> str:

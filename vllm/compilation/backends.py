@@ -298,11 +298,26 @@ class VllmBackend:
                     info["cache"] = "hit"
                     return artifact
                 except Exception as e:  # a damaged entry is recompiled, never trusted
-                    self.cache.drop(name, f"failed to load ({type(e).__name__}: {e})")
+                    problem = f"failed to load ({type(e).__name__}: {e})"
+                    self.cache.drop(name, problem)
+                    # The damage may be in a kernel Inductor built (a .so), which it would
+                    # reuse for the recompile.
+                    self.cache.reset_inductor_cache(f"piece {piece_index} {problem}")
             info["cache"] = "miss"
             with _stage(f"inductor compile of piece {piece_index}", self.dumper, piece_index):
-                artifact = self.compiler.compile(gm, example_inputs, compile_range, piece_index,
-                                                 dump_dir, self.cache.inductor_cache_dir)
+                try:
+                    artifact = self.compiler.compile(gm, example_inputs, compile_range,
+                                                     piece_index, dump_dir,
+                                                     self.cache.inductor_cache_dir)
+                except Exception as e:
+                    # Inductor reads its own cache while compiling: once more from an empty
+                    # one, in case a damaged file there was the cause.
+                    if not self.cache.reset_inductor_cache(
+                            f"compiling piece {piece_index} failed: {type(e).__name__}: {e}"):
+                        raise
+                    artifact = self.compiler.compile(gm, example_inputs, compile_range,
+                                                     piece_index, dump_dir,
+                                                     self.cache.inductor_cache_dir)
             self._record_output_code(piece_index, tag, dump_dir)
             self.cache.record(name, hit=False)
             try:
@@ -387,9 +402,13 @@ class _stage:
         if inner is not None:
             raise inner.with_dump_dir(self.dumper.dir if self.dumper else None) \
                 from inner.__cause__
-        raise CompilationStageError(self.stage, self.piece_index,
-                                    self.dumper.dir if self.dumper else None,
-                                    detail=f"{type(exc).__name__}: {exc}") from exc
+        error = CompilationStageError(self.stage, self.piece_index,
+                                      self.dumper.dir if self.dumper else None,
+                                      detail=f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        if self.dumper is not None:
+            self.dumper.record_failure(error)
+        raise error from exc
 
 
 def find_stage_error(exc: BaseException | None) -> CompilationStageError | None:

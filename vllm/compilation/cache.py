@@ -22,8 +22,10 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +257,25 @@ class CompileCache:
         with contextlib.suppress(OSError):
             os.unlink(self.path(name))
         self._update_manifest(name, None)
+
+    def reset_inductor_cache(self, problem: str) -> bool:
+        """Empty this entry's Inductor cache (its built kernels and FX graph entries), which
+        a piece that failed to load or compile may have read a damaged file from: Inductor
+        would reuse the same file when compiling the piece again. False when it was empty."""
+        directory = self.inductor_cache_dir
+        if not os.path.isdir(directory) or not os.listdir(directory):
+            return False
+        logger.warning("compile cache: emptying %s (%s); its kernels are built again",
+                       directory, problem)
+        with self.lock():
+            # Renamed first, so that no reader sees a half-deleted directory.
+            trash = f"{directory}.removed-{os.getpid()}-{time.monotonic_ns()}"
+            try:
+                os.rename(directory, trash)
+            except OSError:
+                return False
+            shutil.rmtree(trash, ignore_errors=True)
+        return True
 
     def store(self, name: str, graph_hash: str, write: Callable[[str], None]) -> str:
         """Write an entry atomically (`write(tmp_path)` produces the file) and record it."""

@@ -90,6 +90,12 @@ def inductor_config_patches(vllm_config: VllmConfig, pass_manager: PostGradPassM
         patches["coordinate_descent_tuning"] = True
     # Our passes expect v1 auto_functionalized nodes (see fix_functionalization).
     patches["enable_auto_functionalized_v2"] = False
+    from vllm import envs
+
+    if envs.VLLM_DISABLE_COMPILE_CACHE:
+        # Off means off: Inductor's own caches (its FX graph cache in its default directory)
+        # would otherwise still hand back earlier compiles, with our passes not run.
+        patches["force_disable_caches"] = True
     patches.update(cc.inductor_compile_config or {})
     if pass_manager is not None:
         patches["post_grad_custom_post_pass"] = pass_manager

@@ -7,6 +7,7 @@ Per rank (`<path>/rank_<r>/`):
   piece_<i>/<range>/post_grad.<j>.<Pass>.{before,after}.py   each pass on each piece compile
   inductor_output_code.txt              where Inductor wrote the generated code, per piece
   config.json                           the resolved config with provenance
+  failure.txt                           after a failed compile: the error and its traceback
   index.md                              this list, one line per file
 """
 from __future__ import annotations
@@ -92,6 +93,7 @@ class DebugDumper:
         self.vllm_config = vllm_config
         self.dir = os.path.join(base, f"rank_{rank}") if base else None
         self._entries: dict[str, str] = {}
+        self._failure: str | None = None
         self._lock = threading.Lock()
 
     @property
@@ -129,8 +131,8 @@ class DebugDumper:
             return None
         rel = f"piece_{piece_index}/{tag}"
         os.makedirs(os.path.join(self.dir, rel), exist_ok=True)
-        self._add(rel + "/", f"piece {piece_index} compiled for {tag}: the graph before and "
-                  "after each pass (post_grad.<i>.<Pass>.before/after.py)")
+        self._add(rel + "/", f"piece {piece_index}, its compile for {tag}: the graph before "
+                  "and after each pass (post_grad.<i>.<Pass>.before/after.py)")
         return os.path.join(self.dir, rel)
 
     def record_output_code(self, piece_index: int, tag: str, location: str) -> None:
@@ -141,11 +143,27 @@ class DebugDumper:
             f.write(f"piece {piece_index} {tag}: {location}\n")
         self._add("inductor_output_code.txt", "where Inductor wrote each piece's generated code")
 
+    def record_failure(self, error: CompilationStageError) -> None:
+        """Write the failure (message and traceback) to failure.txt and head the index with
+        it: the files listed after it are what the compiler had done before."""
+        if not self.dir:
+            return
+        import traceback
+
+        cause = error.__cause__ or error
+        text = str(error) + "\n\n" + "".join(
+            traceback.format_exception(type(cause), cause, cause.__traceback__))
+        self._failure = f"compilation FAILED during {error.stage}"
+        self.write_text("failure.txt", text, "the failure: message and traceback")
+
     def write_index(self) -> None:
         if not self.dir:
             return
         with self._lock:
             lines = ["# Compilation debug dump", "",
                      "What the compiler saw and did, in order. Graphs are Python (FX) code.", ""]
+            if self._failure:
+                lines += [f"**{self._failure}**: see `failure.txt`. Entries after the failing stage "
+                          "were not reached.", ""]
             lines += [f"- `{rel}`: {desc}" for rel, desc in self._entries.items()]
         _write(os.path.join(self.dir, "index.md"), "\n".join(lines) + "\n")

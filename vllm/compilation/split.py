@@ -10,6 +10,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
 
 def op_names(target: Any) -> set[str]:
     """Names a splitting_ops entry may use for a call target: "ns::op" and "ns::op.overload"."""
@@ -37,6 +41,7 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]
                 ) -> tuple[fx.GraphModule, list[SplitItem]]:
     """Split at every call of a splitting op; each such call gets a submodule of its own."""
     wanted = set(splitting_ops)
+    matched: set[str] = set()
     subgraph_of: dict[fx.Node, int] = {}
     splitting_ids: set[int] = set()
     current = 0
@@ -48,13 +53,20 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]
                 subgraph_of[node.args[0]] in splitting_ids:
             subgraph_of[node] = subgraph_of[node.args[0]]  # stays with its op's outputs
             continue
-        if node.op == "call_function" and op_names(node.target) & wanted:
+        hit = op_names(node.target) & wanted if node.op == "call_function" else set()
+        if hit:
+            matched |= hit
             current += 1
             subgraph_of[node] = current
             splitting_ids.add(current)
             current += 1
         else:
             subgraph_of[node] = current
+    unmatched = sorted(wanted - matched)
+    if unmatched:
+        logger.warning("splitting_ops %s match no call in the traced graph (a misspelt op "
+                       "name?); names are 'namespace::op' or 'namespace::op.overload', e.g. "
+                       "'vllm::unified_attention_with_output'", unmatched)
     split_gm = torch.fx.passes.split_module.split_module(
         gm, None, lambda node: subgraph_of[node], keep_original_order=True)
     items = []

@@ -205,6 +205,13 @@ class CompilationConfig:
                 f"Invalid backend for piecewise compilation: {self.backend!r}. "
                 "With mode VLLM_COMPILE the backend must be 'inductor' or 'eager'.")
         self._validate_custom_ops()
+        for name in ("cudagraph_capture_sizes", "compile_ranges_endpoints", "compile_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None and not isinstance(sizes, (list, tuple)):
+                example = ('[1, 2, 4] or ["cudagraph_capture_sizes"]' if name == "compile_sizes"
+                           else "[1, 2, 4]")
+                raise ValueError(f"compilation_config.{name} must be a list, e.g. {example}; "
+                                 f"got {sizes!r}")
         for name in ("cudagraph_capture_sizes", "compile_ranges_endpoints"):
             sizes = getattr(self, name)
             if sizes is not None:

@@ -154,11 +154,30 @@ class VllmConfig:
         if self.scheduler_config.max_model_len is None:
             self.scheduler_config.max_model_len = mc.max_model_len
 
+    def _check_backend(self) -> None:
+        """The backend named for the resolved mode exists: checked here, not after the
+        weights are loaded."""
+        cc = self.compilation_config
+        if cc.mode == CompilationMode.VLLM_COMPILE:
+            if cc.backend not in ("inductor", "eager"):
+                raise ValueError(f"Invalid backend for piecewise compilation: {cc.backend!r}. "
+                                 "With mode VLLM_COMPILE (every level from -O1) the backend "
+                                 "must be 'inductor' or 'eager'.")
+        elif cc.mode != CompilationMode.NONE and "." not in cc.backend:
+            import torch._dynamo
+
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if cc.backend not in known:
+                raise ValueError(f"compilation_config.backend {cc.backend!r} is not a "
+                                 f"torch.compile backend; choose one of {', '.join(known)}, "
+                                 "or give a 'module.function' path")
+
     def _apply_derived_rules(self) -> None:
         cc, sc = self.compilation_config, self.scheduler_config
         if cc.backend == "":
             self._set("compilation_config.backend", self.platform.simple_compile_backend,
                       Provenance(f"platform {self.platform.device_name}", "platform's compiler"))
+        self._check_backend()
         if not any(op in ("all", "none") for op in cc.custom_ops):
             inductor = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
             base = "none" if inductor else "all"
@@ -286,6 +305,10 @@ class VllmConfig:
             cc.debug_dump_path = env_path
         if cc.debug_dump_path:
             cc.debug_dump_path = os.path.abspath(os.path.expanduser(cc.debug_dump_path))
+            if cc.mode == CompilationMode.NONE:
+                logger.warning("debug_dump_path %s is set, but compilation mode NONE (-O0) "
+                               "compiles nothing, so nothing is dumped; use -O1 or higher.",
+                               cc.debug_dump_path)
 
     # ---- provenance helpers -------------------------------------------------------------
     def get_path(self, path: str) -> Any:

@@ -41,7 +41,9 @@ def _optimization_level(text: str) -> OptimizationLevel:
     try:
         return OptimizationLevel.parse(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        hint = ("; -O takes a level now: give a compilation config with -cc / "
+                "--compilation-config" if text.lstrip().startswith("{") else "")
+        raise argparse.ArgumentTypeError(str(exc) + hint) from None
 
 
 def _validate_compilation_config(data: dict) -> None:

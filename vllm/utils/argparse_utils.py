@@ -35,7 +35,6 @@ __all__ = ["FlexibleArgumentParser", "human_int", "json_dict_type", "non_negativ
            "positive_int"]
 
 _LEVEL_OPTION = "--optimization-level"
-_LEVEL_DIGITS = ("0", "1", "2", "3")
 
 
 # ---- argparse `type=` helpers (their errors name the bad value and what is allowed) -------
@@ -140,7 +139,9 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             i += 1
             if token == "-O":
-                if nxt in _LEVEL_DIGITS:
+                # "-O 2"; "-O banana" / "-O -1" reach the level's own check (a clear error),
+                # while "-O --other-flag" is left to argparse.
+                if nxt is not None and (not nxt.startswith("-") or nxt[1:].isdigit()):
                     out += [_LEVEL_OPTION, nxt]
                     i += 1
                 else:
