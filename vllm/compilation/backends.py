@@ -405,9 +405,8 @@ class _stage:
         error = CompilationStageError(self.stage, self.piece_index,
                                       self.dumper.dir if self.dumper else None,
                                       detail=f"{type(exc).__name__}: {exc}")
-        error.__cause__ = exc
         if self.dumper is not None:
-            self.dumper.record_failure(error)
+            self.dumper.record_failure(error, exc)
         raise error from exc
 
 

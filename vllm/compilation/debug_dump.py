@@ -143,14 +143,13 @@ class DebugDumper:
             f.write(f"piece {piece_index} {tag}: {location}\n")
         self._add("inductor_output_code.txt", "where Inductor wrote each piece's generated code")
 
-    def record_failure(self, error: CompilationStageError) -> None:
-        """Write the failure (message and traceback) to failure.txt and head the index with
-        it: the files listed after it are what the compiler had done before."""
+    def record_failure(self, error: CompilationStageError, cause: BaseException) -> None:
+        """Write the failure (message and the cause's traceback) to failure.txt and head the
+        index with it: the files listed after it are what the compiler had done before."""
         if not self.dir:
             return
         import traceback
 
-        cause = error.__cause__ or error
         text = str(error) + "\n\n" + "".join(
             traceback.format_exception(type(cause), cause, cause.__traceback__))
         self._failure = f"compilation FAILED during {error.stage}"
