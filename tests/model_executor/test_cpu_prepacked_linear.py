@@ -72,7 +72,7 @@ def test_traced_by_the_compiler():
 
 
 def test_background_prepacking_registers_every_queued_weight():
-    """What the engine does while it loads: queue, go on, wait before ready."""
+    """What the engine does while it loads: queue, go on; steady-state measurements wait."""
     gc.collect()
     weights = [torch.nn.Parameter(torch.randn(64, 32), requires_grad=False) for _ in range(5)]
     before = cpl.num_prepacked()
@@ -95,3 +95,43 @@ def test_background_thread_ends_with_the_wait():
     cpl.wait_for_prepacking()
     assert not [t for t in threading.enumerate() if t.name == "vllm-prepack"]
     assert cpl.wait_for_prepacking() == 0.0  # nothing queued: no thread, no wait
+
+
+def test_finishing_in_background_does_not_wait_and_the_thread_ends_by_itself(caplog):
+    """The engine reports ready without waiting: the thread prepacks what is queued, logs,
+    and ends on its own (no live thread left behind once the work is done)."""
+    import logging
+    import time
+
+    gc.collect()
+    before = cpl.num_prepacked()
+    gate = threading.Event()
+    weights = [torch.nn.Parameter(torch.randn(256, 128), requires_grad=False)
+               for _ in range(3)]
+    original = cpl.prepack
+
+    def gated_prepack(weight):  # hold the thread until the finish request was made
+        gate.wait(timeout=30)
+        return original(weight)
+
+    cpl.prepack = gated_prepack
+    try:
+        assert all(cpl.prepack_in_background(w) for w in weights)
+        start = time.perf_counter()
+        assert cpl.finish_prepacking_in_background() >= 2  # returns with work still queued
+        assert time.perf_counter() - start < 1.0
+        assert cpl.num_prepacked() == before  # nothing done yet: the plain routes serve
+        x = torch.randn(8, 128)
+        torch.testing.assert_close(linear(x, weights[0]), F.linear(x, weights[0]))
+        with caplog.at_level(logging.INFO, logger="vllm"):
+            gate.set()
+            deadline = time.time() + 30
+            while [t for t in threading.enumerate() if t.name == "vllm-prepack"]:
+                assert time.time() < deadline, "the prepacking thread did not end"
+                time.sleep(0.01)
+    finally:
+        cpl.prepack = original
+    assert cpl.num_prepacked() == before + 3
+    assert "3 weights prepacked" in caplog.text and "after the engine was ready" in caplog.text
+    assert cpl.finish_prepacking_in_background() == 0  # nothing running any more
+    assert cpl.wait_for_prepacking() == 0.0

@@ -170,12 +170,17 @@ class Worker:
         """Warm-up forwards that compile the model (Dynamo trace, the dynamic graph, each
         compile size) and capture the CUDA graphs, before the engine reports ready."""
         from vllm.compilation.monitor import get_startup_timer
-        from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
+        from vllm.model_executor.layers.cpu_prepacked_linear import (
+            finish_prepacking_in_background,
+        )
 
         self.model_runner.compile_or_warm_up_model()
-        waited = wait_for_prepacking()  # the weights queued while loading (CPU, -O2/-O3)
-        if waited > 0.005:
-            get_startup_timer().record("weight prepacking", waited, note="waited at the end")
+        # The weights queued while loading (CPU, -O2/-O3) are finished after ready: until then
+        # their products take the plain weights' routes.
+        pending = finish_prepacking_in_background()
+        if pending:
+            get_startup_timer().record("weight prepacking", 0.0,
+                                       note=f"{pending} weights left, finished after ready")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
