@@ -4,8 +4,8 @@ For each model (a Qwen2.5-0.5B-shaped random-weight checkpoint and the built-in 
 and each level -O0..-O3, in fresh processes: time to ready with an empty compile cache (cold)
 and with the cache the cold run filled (warm), then decode tokens/s at batch 1 and batch 16
 (the warm process measures). Batch-1 decode is also given as a fraction of the memory-
-bandwidth roofline: bytes read per token (weights + KV) divided by the read bandwidth the
-measuring process sees next to its timed decodes (see `Bandwidth`). Writes markdown, JSON
+bandwidth roofline: bytes read per token (weights + KV) divided by the read bandwidth
+measured right before and after each timed decode (see `Bandwidth`). Writes markdown, JSON
 and a PNG plot to benchmarks/results/.
 
     python benchmarks/bench_levels.py --models demo qwen2.5-0.5b --max-tokens 32
@@ -28,12 +28,11 @@ _RESULT = "LEVEL_RESULT "
 
 
 class Bandwidth:
-    """The machine's read bandwidth (GB/s), for the roofline: the best over repeated reads of a
-    512 MiB buffer (far beyond the caches) by two kernels, a float32 sum and a float32 matrix-
-    vector product through the engine's own CPU linear (what a decode step runs). The machine
-    is shared, so `sample()` is called next to every timed decode in the same process and the
-    best figure is kept: the roofline is what the memory system gave at its best, not at the
-    moment a neighbour was busy."""
+    """The machine's read bandwidth (GB/s) at this moment, for the roofline: the best of three
+    reads of a 512 MiB buffer (far beyond the caches) by each of two kernels, a float32 sum and
+    a float32 matrix-vector product through the engine's own CPU linear (what a decode step
+    runs). The machine is shared and its bandwidth moves from minute to minute (30-85 GB/s),
+    so every timed batch-1 decode is paired with a reading taken right before and after it."""
 
     def __init__(self) -> None:
         import torch
@@ -41,18 +40,17 @@ class Bandwidth:
         self.x = torch.ones(128 * 1024 * 1024)
         self.w = self.x.view(16384, 8192)
         self.v = torch.ones(1, 8192)
-        self.best = 0.0
 
-    def sample(self) -> float:
+    def now(self) -> float:
         from vllm.model_executor.layers.cpu_linear import dispatch_linear
 
+        best = 0.0
         for fn in (self.x.sum, lambda: dispatch_linear(self.v, self.w)):
             for _ in range(3):
                 start = time.perf_counter()
                 fn()
-                self.best = max(self.best, self.x.numel() * 4 / (time.perf_counter() - start)
-                                / 1e9)
-        return self.best
+                best = max(best, self.x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+        return best
 
 
 def bytes_per_token(model, dtype_size: int, context: int, kv_per_token: int) -> float:
@@ -90,32 +88,43 @@ def worker(args) -> None:
         cfg = engine.vllm_config.model_config
         vocab = cfg.get_vocab_size()
 
-        def timed(batch: int, n: int) -> float:
+        def prompts_of(batch: int) -> list[dict]:
             lengths = [32] if batch == 1 else [16 + (112 * i) // (batch - 1) for i in range(batch)]
-            prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5
-                                             for j in range(m)]} for i, m in enumerate(lengths)]
-            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            best = float("inf")
-            for _ in range(args.repeats):
-                if batch == 1:
-                    bandwidth.sample()
-                engine.reset_prefix_cache()  # time the prefill too, not cache hits
-                begin = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
-                best = min(best, time.perf_counter() - begin)
-            return best
+            return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5
+                                          for j in range(m)]} for i, m in enumerate(lengths)]
 
-        timed(1, 2)
-        timed(16, 2)  # warm-up (compiles nothing new: the engine compiled at start-up)
+        def run(batch: int, n: int) -> float:
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            engine.reset_prefix_cache()  # time the prefill too, not cache hits
+            begin = time.perf_counter()
+            llm.generate(prompts_of(batch), params, use_tqdm=False)
+            return time.perf_counter() - begin
+
+        run(1, 2)
+        run(16, 2)  # warm-up (compiles nothing new: the engine compiled at start-up)
         n = args.max_tokens
-        result["decode_b1_tok_s"] = (n - 1) / max(timed(1, n) - timed(1, 1), 1e-9)
-        result["total_b16_tok_s"] = 16 * n / timed(16, n)
         model = engine.executor.model
-        if model is not None:
-            size = torch.tensor([], dtype=cfg.torch_dtype).element_size()
-            kv = 2 * cfg.get_num_layers() * cfg.get_num_kv_heads() * cfg.get_head_size() * size
-            result["bytes_per_token"] = bytes_per_token(model, size, 32 + n // 2, kv)
-        result["bandwidth_gbs"] = bandwidth.sample()
+        size = torch.tensor([], dtype=cfg.torch_dtype).element_size()
+        kv = 2 * cfg.get_num_layers() * cfg.get_num_kv_heads() * cfg.get_head_size() * size
+        per_token = bytes_per_token(model, size, 32 + n // 2, kv) if model is not None else None
+        # Batch 1: per repeat, the decode rate ((n - 1) tokens in the time an n-token request
+        # takes beyond a 1-token one) and the bandwidth right before and after it.
+        rates, fractions, bandwidths = [], [], []
+        for _ in range(args.repeats):
+            before = bandwidth.now()
+            one, full = run(1, 1), run(1, n)
+            now = max(before, bandwidth.now())
+            rate = (n - 1) / max(full - one, 1e-9)
+            rates.append(rate)
+            bandwidths.append(now)
+            if per_token is not None:
+                fractions.append(rate * per_token / (now * 1e9))
+        result["decode_b1_tok_s"] = max(rates)
+        result["bandwidth_gbs"] = statistics.median(bandwidths)
+        if fractions:
+            result["bytes_per_token"] = per_token
+            result["roofline_fraction"] = statistics.median(fractions)
+        result["total_b16_tok_s"] = 16 * n / min(run(16, n) for _ in range(args.repeats))
     print(_RESULT + json.dumps(result), flush=True)
 
 
@@ -164,7 +173,7 @@ def main() -> None:
     parser.add_argument("--levels", nargs="+", type=int, default=[0, 1, 2, 3])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warm-runs", type=int, default=3,
                         help="warm starts per level (median); the last one measures decode")
     parser.add_argument("--threads", type=int, default=2)
@@ -201,11 +210,9 @@ def main() -> None:
                        r["prepacked_after_ready_s"] for r in starts),
                    "decode_b1_tok_s": warm["decode_b1_tok_s"],
                    "total_b16_tok_s": warm["total_b16_tok_s"]}
-            if "bytes_per_token" in warm:
+            if "roofline_fraction" in warm:
                 row["bandwidth_gbs"] = warm["bandwidth_gbs"]
-                roofline = warm["bandwidth_gbs"] * 1e9 / warm["bytes_per_token"]
-                row["roofline_b1_tok_s"] = roofline
-                row["roofline_fraction"] = warm["decode_b1_tok_s"] / roofline
+                row["roofline_fraction"] = warm["roofline_fraction"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = [f"{args.dtype}, {args.max_tokens} output tokens, {args.threads} threads. Start-up: "
@@ -213,8 +220,9 @@ def main() -> None:
              f"compile caches, warm = median of {args.warm_runs} starts on the cold run's "
              "caches. +prepack: how long after ready the CPU -O2/-O3 weight prepacking "
              "(background) was done, median of the warm starts; decode is measured after it. "
-             "Roofline: bytes read per decode step / the best read bandwidth the "
-             "measuring process saw next to its timed decodes (GB/s column).", "",
+             "Decode b1: best of the repeats. Roofline: per repeat, the decode rate against "
+             "bytes read per step / the read bandwidth measured right before and after it; "
+             "median over the repeats, with the median bandwidth (GB/s column).", "",
              "| model | level | cold start (s) | warm start (s) | warm engine (s) | +prepack (s) | "
              "decode b1 (tok/s) | b1 % of roofline (GB/s) | b16 total (tok/s) | b1 vs O0 | "
              "b16 vs O0 | warm start vs O0 (process / engine) |",
