@@ -101,7 +101,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     opaque C++ dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py), the kernels of
     `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured slower here); with
     `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the weight is also
-    reordered for oneDNN after loading (in the background, done before the engine is ready)
+    reordered for oneDNN after loading (in the background, finished after ready if need be)
     and the op computes with that copy.
     With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
     which folds and prepacks them itself."""
@@ -126,7 +126,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
             self.cpu_op = cpu_linear_op()
             if self.want_prepack:
-                prepack_in_background(weight)  # done before the engine reports ready
+                prepack_in_background(weight)  # finished in the background, maybe after ready
 
     def apply(self, layer, x, bias=None):
         if self.cpu_op is not None:

@@ -87,7 +87,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self
 
     def process_weights_after_loading(self) -> None:
-        """Queue the (loaded, possibly tied) weight for prepacking; done before ready."""
+        """Queue the (loaded, possibly tied) weight for prepacking (finished in the background,
+        after ready if need be)."""
         if self.want_prepack:
             from vllm.model_executor.layers.cpu_prepacked_linear import prepack_in_background
 
