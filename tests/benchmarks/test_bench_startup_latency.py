@@ -30,9 +30,31 @@ def test_bench_commands_are_registered():
     from vllm.entrypoints.cli.main import build_parser
 
     parser = build_parser()
-    for name in ("startup", "latency"):
-        args = parser.parse_args(["bench", name, "--model", "m", "-O1"])
-        assert args.bench_type == name and int(args.optimization_level) == 1
+    args = parser.parse_args(["bench", "latency", "--model", "m", "-O1"])
+    assert args.bench_type == "latency" and int(args.optimization_level) == 1
+    args = parser.parse_args(["bench", "startup", "--model", "m", "-O1"])
+    assert args.bench_type == "startup" and args.optimization_level == [1]
+
+
+def test_bench_startup_measures_every_level_given(caplog):
+    """`-O` may be repeated (each level is measured, no "last wins" warning); `--levels` too;
+    the engine settings passed to each start leave the level to the start."""
+    from vllm.benchmarks.startup import _engine_kwargs, _levels
+    from vllm.entrypoints.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "startup", "--model", "m", "-O0", "-O2", "-O0",
+                              "--max-model-len", "64"])
+    assert _levels(args) == [0, 2]
+    assert "duplicate" not in caplog.text
+    kwargs = _engine_kwargs(args)
+    assert kwargs["optimization_level"] is None and kwargs["max_model_len"] == 64
+    assert _levels(parser.parse_args(["bench", "startup", "--model", "m"])) == [2]
+    assert _levels(parser.parse_args(["bench", "startup", "--model", "m",
+                                      "--levels", "1,3"])) == [1, 3]
+    # Elsewhere -O stays a single value, the last one winning with a warning.
+    args = parser.parse_args(["bench", "latency", "--model", "m", "-O0", "-O2"])
+    assert int(args.optimization_level) == 2 and "duplicate" in caplog.text.lower()
 
 
 @pytest.mark.slow

@@ -4,13 +4,14 @@ Every run is a fresh process that builds the engine (`LLMEngine.from_engine_args
 A cold run gets empty compile caches (ours, `compilation_config.cache_dir`, and Inductor's,
 `TORCHINDUCTOR_CACHE_DIR`); the warm runs then reuse the directories the first cold run
 filled. Kernels built once per machine under `VLLM_CACHE_ROOT` (not compile caches) are built
-by one untimed -O0 start first. For each level (`-O`, or several with `--levels 0,1,2,3`) it
+by one untimed -O0 start first. For each level (`-O`, repeated `-O0 -O2`, or `--levels 0,1,2,3`) it
 reports the median and the spread (max - min) over `--num-runs` runs of the engine's start-up
 wall time (from the start of config resolution to ready, as the engine's phase table reports
 it) and of the process time (spawn to ready, Python imports included), plus the median
 seconds of each start-up phase. `--output-json` writes everything.
 
     vllm bench startup --model demo -O2 --num-runs 3
+    vllm bench startup --model demo -O0 -O2
     vllm bench startup --model demo --levels 0,1,2,3 --output-json startup.json
 """
 from __future__ import annotations
@@ -33,11 +34,11 @@ _RESULT = "STARTUP_RESULT "
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from vllm.engine.arg_utils import EngineArgs
 
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, repeatable_level=True)
     group = parser.add_argument_group("start-up benchmark")
     group.add_argument("--levels", default=None,
-                       help="Comma-separated levels to measure, e.g. 0,1,2,3 (default: -O, "
-                       "else 2).")
+                       help="Comma-separated levels to measure, e.g. 0,1,2,3 (default: the "
+                       "-O flags, which may be repeated: -O0 -O2; else 2).")
     group.add_argument("--num-runs", type=int, default=3,
                        help="Cold runs and warm runs per level (each a fresh process).")
     group.add_argument("--timeout", type=float, default=1800.0,
@@ -53,19 +54,22 @@ def _levels(args: argparse.Namespace) -> list[int]:
 
     if args.levels:
         return [int(OptimizationLevel.parse(x)) for x in args.levels.split(",") if x.strip()]
-    level = args.optimization_level
-    return [int(OptimizationLevel.parse(level)) if level is not None else 2]
+    levels = args.optimization_level  # every -O given, in order
+    if not levels:
+        return [2]
+    if not isinstance(levels, list):
+        levels = [levels]
+    return list(dict.fromkeys(int(OptimizationLevel.parse(x)) for x in levels))
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings but the level (each start sets its own)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = EngineArgs.from_cli_args(argparse.Namespace(
+        **{**vars(args), "optimization_level": None}))
     engine_args.disable_log_stats = True
-    data = dataclasses.asdict(engine_args)
-    if data.get("optimization_level") is not None:
-        data["optimization_level"] = int(data["optimization_level"])
-    return data
+    return dataclasses.asdict(engine_args)
 
 
 def start_once(engine_kwargs: dict[str, Any], cache_dir: str, inductor_dir: str,

@@ -81,9 +81,11 @@ class EngineArgs:
 
     # ---- command line ---------------------------------------------------------------------
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def add_cli_args(parser: argparse.ArgumentParser, *, repeatable_level: bool = False
+                     ) -> argparse.ArgumentParser:
         """Register the engine flags on `parser` (dashed spellings, upstream's names); the
-        defaults equal the dataclass defaults. Returns `parser`."""
+        defaults equal the dataclass defaults. Returns `parser`. `repeatable_level`: -O may
+        be given several times and collects a list (benchmarks that measure each level)."""
         d = EngineArgs
         model = parser.add_argument_group("model")
         model.add_argument("--model", type=str, default=d.model,
@@ -109,6 +111,7 @@ class EngineArgs:
 
         opt = parser.add_argument_group("optimization")
         opt.add_argument("--optimization-level", type=_optimization_level,
+                         action="append" if repeatable_level else "store",
                          default=d.optimization_level, metavar="{0,1,2,3}",
                          help="-O0 no compilation or CUDA graphs (fastest start-up); -O1 "
                          "compile fast, piecewise CUDA graphs; -O2 (default) full and piecewise "

@@ -124,12 +124,12 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     def preprocess_argv(self, argv: list[str]) -> list[str]:
         """Rewrite vLLM spellings into plain argparse tokens (the contract is the module
         docstring). Exits through `error()` on a malformed dotted key."""
-        options = self._option_actions()
         if "--" in argv:
             cut = argv.index("--")
             argv, tail = argv[:cut], argv[cut:]
         else:
             tail = []
+        options = self._option_actions(argv)
         out: list[str] = []
         dotted: dict[str, dict] = {}
         duplicates: list[str] = []
@@ -184,9 +184,15 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
                            ", ".join(dict.fromkeys(duplicates)))
         return out + tail
 
-    def _option_actions(self) -> dict[str, argparse.Action]:
-        """Every option string of this parser and its subcommands' parsers -> its action
-        (a dict-valued action wins when two subcommands spell an option differently)."""
+    def _option_actions(self, argv: Sequence[str] = ()) -> dict[str, argparse.Action]:
+        """Option string -> its action, for the subcommand `argv` names (this parser and the
+        subcommand parsers on the way, e.g. `bench startup`); without one, every option of
+        this parser and of all its subcommands' parsers (a dict-valued action wins when two
+        subcommands spell an option differently)."""
+        chain = _subcommand_chain(self, argv)
+        if len(chain) > 1:
+            return {option: action for parser in chain for action in parser._actions
+                    for option in action.option_strings}
         found: dict[str, argparse.Action] = {}
         stack: list[argparse.ArgumentParser] = [self]
         seen: set[int] = set()
@@ -202,6 +208,22 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
                     if option not in found or getattr(action.type, "accepts_dotted_keys", False):
                         found[option] = action
         return found
+
+
+def _subcommand_chain(parser: argparse.ArgumentParser, argv: Sequence[str]
+                      ) -> list[argparse.ArgumentParser]:
+    """`parser`, then the parser of each subcommand `argv` selects, in order."""
+    chain = [parser]
+    rest = list(argv)
+    while True:
+        subs = [a for a in chain[-1]._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return chain
+        index = next((i for i, t in enumerate(rest) if t in subs[0].choices), None)
+        if index is None:
+            return chain
+        chain.append(subs[0].choices[rest[index]])
+        rest = rest[index + 1:]
 
 
 def _normalize_long_option(token: str) -> str:
@@ -271,9 +293,9 @@ def _duplicate_options(argv: list[str], options: dict[str, argparse.Action]) -> 
         if not token.startswith("-"):
             continue
         action = options.get(token.split("=", 1)[0])
-        if action is None or isinstance(action, (argparse._HelpAction,
-                                                 argparse._VersionAction)):
-            continue
+        if action is None or isinstance(action, (argparse._HelpAction, argparse._VersionAction,
+                                                 argparse._AppendAction)):
+            continue  # (an append option is meant to be repeated)
         name = _canonical(action)
         counts[name] = counts.get(name, 0) + 1
     return [name for name, count in counts.items() if count > 1]
