@@ -13,8 +13,8 @@ cached like any other:
     as they load: a thread reorders them (the reorder releases the GIL) while start-up goes on
     with the graph, the KV cache and the warm-up. When the engine is ready it tells the thread
     to finish (`finish_prepacking_in_background()`) instead of waiting for it: products with a
-    weight not prepacked yet take the plain weight's routes (the same values), and the thread
-    logs when it is done and ends. On the Qwen2.5-0.5B shape the reorders take ~1 s of the
+    weight not prepacked yet take the plain weight's routes (equal up to float rounding), and
+    the thread logs when it is done and ends. On the Qwen2.5-0.5B shape the reorders take ~1 s of the
     two cores; waiting for them made a warm -O2 start ~0.7 s longer. Steady-state
     measurements call `wait_for_prepacking()` first;
   - compiled models call the dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py,
@@ -116,7 +116,8 @@ _prepacker_lock = threading.Lock()
 
 def prepack_in_background(weight: torch.Tensor) -> bool:
     """Queue `weight` for `prepack` on the background thread; False when not eligible. Until
-    its copy is registered, products with the weight take the unpacked routes (same result).
+    its copy is registered, products with the weight take the unpacked routes (equal up to
+    float rounding).
     `finish_prepacking_in_background()` or `wait_for_prepacking()` must follow (the thread
     ends then)."""
     global _prepacker
