@@ -135,3 +135,31 @@ def test_finishing_in_background_does_not_wait_and_the_thread_ends_by_itself(cap
     assert "3 weights prepacked" in caplog.text and "after the engine was ready" in caplog.text
     assert cpl.finish_prepacking_in_background() == 0  # nothing running any more
     assert cpl.wait_for_prepacking() == 0.0
+
+
+EXIT_RIGHT_AFTER_READY = """
+import torch
+from vllm.model_executor.layers import cpu_prepacked_linear as cpl
+weights = [torch.nn.Parameter(torch.randn(2048, 2048), requires_grad=False) for _ in range(30)]
+assert all(cpl.prepack_in_background(w) for w in weights)
+x = torch.randn(64, 2048)
+for w in weights[:5]:
+    torch.nn.functional.linear(x, w)  # the main thread's OpenMP work, as in a warm-up
+cpl.finish_prepacking_in_background()  # "ready"; then the script ends at once
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_exiting_while_prepacking_exits_cleanly(tmp_path):
+    """A process that ends right after ready, the thread still inside oneDNN, was aborted at
+    exit ("terminate called without an active exception", rc 134): the queued weights are
+    dropped and the reorder in progress is waited for at exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_now.py"
+    script.write_text(EXIT_RIGHT_AFTER_READY)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exiting" in result.stdout and "terminate called" not in result.stderr

@@ -28,6 +28,7 @@ build there is no prepacking, and compiled models call the Python op below inste
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -90,11 +91,13 @@ class _Prepacker(threading.Thread):
         self.done = 0
         self.finish_requested: float | None = None
         """perf_counter() when the end marker was queued (the engine reported ready)."""
+        self.cancelled = False
+        """Set at interpreter exit: the weights still queued are dropped."""
 
     def run(self) -> None:
         while True:
             weight = self.jobs.get()
-            if weight is None:
+            if weight is None or self.cancelled:
                 break
             try:
                 self.done += prepack(weight)
@@ -120,15 +123,34 @@ def prepack_in_background(weight: torch.Tensor) -> bool:
     float rounding).
     `finish_prepacking_in_background()` or `wait_for_prepacking()` must follow (the thread
     ends then)."""
-    global _prepacker
+    global _prepacker, _exit_hook_registered
     if not can_prepack(weight):
         return False
     with _prepacker_lock:
         if _prepacker is None:
+            if not _exit_hook_registered:
+                atexit.register(_stop_at_exit)
+                _exit_hook_registered = True
             _prepacker = _Prepacker()
             _prepacker.start()
         _prepacker.jobs.put(weight)
     return True
+
+
+_exit_hook_registered = False
+
+
+def _stop_at_exit() -> None:
+    """At interpreter exit, drop the weights still queued and wait for the reorder in
+    progress: a process that exited right after ready, with the thread inside oneDNN, was
+    aborted ("terminate called without an active exception")."""
+    with _prepacker_lock:
+        threads = [t for t in (_prepacker, *_finishing) if t is not None and t.is_alive()]
+    for thread in threads:
+        thread.cancelled = True
+        thread.jobs.put(None)
+    for thread in threads:
+        thread.join(timeout=60)
 
 
 def finish_prepacking_in_background() -> int:
