@@ -54,11 +54,9 @@ def _levels(args: argparse.Namespace) -> list[int]:
 
     if args.levels:
         return [int(OptimizationLevel.parse(x)) for x in args.levels.split(",") if x.strip()]
-    levels = args.optimization_level  # every -O given, in order
+    levels = args.optimization_level  # every -O given, in order (a repeatable option here)
     if not levels:
         return [2]
-    if not isinstance(levels, list):
-        levels = [levels]
     return list(dict.fromkeys(int(OptimizationLevel.parse(x)) for x in levels))
 
 

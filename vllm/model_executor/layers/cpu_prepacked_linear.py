@@ -123,23 +123,18 @@ def prepack_in_background(weight: torch.Tensor) -> bool:
     float rounding).
     `finish_prepacking_in_background()` or `wait_for_prepacking()` must follow (the thread
     ends then)."""
-    global _prepacker, _exit_hook_registered
+    global _prepacker
     if not can_prepack(weight):
         return False
     with _prepacker_lock:
         if _prepacker is None:
-            if not _exit_hook_registered:
-                atexit.register(_stop_at_exit)
-                _exit_hook_registered = True
             _prepacker = _Prepacker()
             _prepacker.start()
         _prepacker.jobs.put(weight)
     return True
 
 
-_exit_hook_registered = False
-
-
+@atexit.register
 def _stop_at_exit() -> None:
     """At interpreter exit, drop the weights still queued and wait for the reorder in
     progress: a process that exited right after ready, with the thread inside oneDNN, was
