@@ -184,3 +184,41 @@ def test_second_instance_loads_the_graph_instead_of_tracing(monkeypatch, tmp_pat
             check(build(), 5)
         assert "traced graph not used" not in caplog.text
         assert "compile cache: disabled" in caplog.text
+
+
+# ---- after the first trace: the runner serves the calls, not Dynamo ---------------------------
+def test_after_the_first_trace_calls_skip_dynamo(monkeypatch, caplog):
+    """With the cache off too: once traced, the calls go through the runner (Dynamo's guard
+    checks cost ~130 us a step on the demo model); a call it does not serve goes back to
+    Dynamo for good."""
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+    caplog.set_level(logging.INFO, logger="vllm")
+    config = VllmConfig(optimization_level=1, compilation_config=CompilationConfig(
+        backend="eager", splitting_ops=[SILLY_OP]))
+    torch.manual_seed(0)
+    with set_current_vllm_config(config):
+        model = Toy()
+    state = model._vllm_compile_state
+    with torch.no_grad():
+        with compilation_counter.expect(num_graphs_seen=1, num_graphs_saved=0):
+            check(model, 5)
+        assert state.cached_graph is not None
+        dynamo_calls = []
+        traced = state.compiled
+
+        def through_dynamo(*args, **kwargs):
+            dynamo_calls.append(args)
+            return traced(*args, **kwargs)
+
+        state.compiled = through_dynamo
+        for n in (1, 7, 3):
+            check(model, n)
+        assert dynamo_calls == []
+        # Another dtype: Dynamo serves it (a recompile, as its guards would have had it), and
+        # every later call.
+        with compilation_counter.expect(num_graphs_seen=1):
+            check(model, 3, torch.int32)
+        assert "the compiled graph does not serve (positions: int32" in caplog.text
+        assert state.cached_graph is None
+        check(model, 2, torch.int32)
+        assert len(dynamo_calls) == 2

@@ -114,9 +114,9 @@ class VllmBackend:
         self.pieces: list[SplitItem] = []
         self.timer = get_startup_timer()
         self.traced_files: list[str] = []
-        # For saving the traced graph (graph_cache.py): the Dynamo graph's input sources, the
-        # split module as pickled before its pieces were replaced, the compiled pieces and the
-        # graph outputs of the first call.
+        # For serving calls without Dynamo and saving the traced graph (graph_cache.py): the
+        # Dynamo graph's input sources, the split module as pickled before its pieces were
+        # replaced (cache on), the compiled pieces and the graph outputs of the first call.
         self.graph_sources: list[str] | None = None
         self.graph_kinds: list[str] = []
         self.split_pickle: bytes | None = None
@@ -151,7 +151,7 @@ class VllmBackend:
             kind = "splitting op, runs eagerly" if item.is_splitting else "compiled"
             self.dumper.dump_graph(f"piece_{item.index}.py", item.graph,
                                    f"piece {item.index} ({item.name}): {kind}")
-        if self.cache is not None and not self.frozen:
+        if not self.frozen:
             from vllm.compilation.graph_cache import capture_graph
 
             capture_graph(self, gm, split_gm)

@@ -86,7 +86,8 @@ class FirstOutputRecorder:
 def capture_graph(backend: VllmBackend, gm: torch.fx.GraphModule,
                   split_gm: torch.fx.GraphModule) -> None:
     """At split time (before the pieces replace the submodules): the Dynamo graph's input
-    sources and kinds, and the split module pickled. Leaves them unset when not possible."""
+    sources and kinds, and, with the compile cache on, the split module pickled. Leaves the
+    sources unset when not possible (then Dynamo serves every call)."""
     sources, kinds = [], []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -95,27 +96,35 @@ def capture_graph(backend: VllmBackend, gm: torch.fx.GraphModule,
         name = getattr(source, "name", None)
         name = name() if callable(name) else name
         if not isinstance(name, str):
-            logger.info("compile cache: the traced graph will not be saved (input %s has no "
-                        "source)", node.name)
+            logger.info("the traced graph's input %s has no source: calls keep going through "
+                        "Dynamo and the graph is not saved", node.name)
             return
         sources.append(name)
         value = node.meta.get("example_value")
         kinds.append("tensor" if isinstance(value, torch.Tensor) else "int")
+    backend.graph_sources, backend.graph_kinds = sources, kinds
+    if backend.cache is None:
+        return
     try:
-        data = pickle.dumps(split_gm)
+        backend.split_pickle = pickle.dumps(split_gm)
     except Exception as e:
         logger.info("compile cache: the traced graph will not be saved (the split module "
                     "does not pickle: %s: %s)", type(e).__name__, e)
-        return
-    backend.graph_sources, backend.graph_kinds, backend.split_pickle = sources, kinds, data
 
 
-def save_graph(backend: VllmBackend, model: Any, signature: Any, forward: Callable,
-               bound: Any, output: Any) -> None:
-    """After the first forward through Dynamo: write the graph entry and the index."""
+def runner_after_trace(backend: VllmBackend, model: Any, signature: Any, forward: Callable,
+                       bound: Any, output: Any) -> CachedGraphRunner | None:
+    """After the first forward through Dynamo: the runner that serves the later calls in its
+    place, and the graph entry written to the compile cache when it is on.
+
+    Dynamo checks its guards on every call: one per weight and input, ~130 us a step on the
+    demo model (a fifth of a batch-1 decode step on the CPU). The runner checks what a call
+    can change (argument dtypes and dims, constants, weights still in place; graph_runner.py),
+    as on a warm start. None (logged) when the graph's inputs cannot be computed without
+    Dynamo: then Dynamo keeps serving."""
     recorder = backend.output_recorder
-    if recorder is None or backend.cache is None or backend.split_pickle is None:
-        return
+    if recorder is None:
+        return None
     graph_outputs, recorder.outputs = recorder.outputs, None
     try:
         record = _make_record(backend, model, signature, bound, output, graph_outputs)
@@ -127,17 +136,26 @@ def save_graph(backend: VllmBackend, model: Any, signature: Any, forward: Callab
         runner.resolve(locals_)
         runner.build(locals_)
         record["stable_meta"] = [tensor_meta(v) for v in runner.stable]
-        pickle.loads(backend.split_pickle)
+        if backend.split_pickle is not None:
+            pickle.loads(backend.split_pickle)
     except Exception as e:
-        logger.info("compile cache: the traced graph is not saved (%s); warm starts will "
-                    "trace with Dynamo", e)
-        return
+        logger.info("the traced graph's inputs cannot be computed without Dynamo (%s): calls "
+                    "keep going through Dynamo and warm starts trace again", e)
+        return None
+    runner.forward = recorder.forward
+    if backend.cache is not None and backend.split_pickle is not None:
+        _save(backend, record)
+    return runner
+
+
+def _save(backend: VllmBackend, record: dict[str, Any]) -> None:
     data = pickle.dumps(record)
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
 
+    assert backend.cache is not None
     try:
         backend.cache.store(GRAPH_ENTRY, GRAPH_TAG, write)
         _write_index(backend, backend.traced_files)
