@@ -96,6 +96,30 @@ def test_split_graph_gives_each_splitting_op_its_own_piece(caplog):
     assert "splitting_ops ['other::op'] match no call in the traced graph" in caplog.text
 
 
+def test_splitting_pieces_call_a_registered_eager_impl_directly(monkeypatch):
+    """A splitting op with a registered Python implementation (the attention op) is called
+    without the dispatcher's round trip; others run through it as traced."""
+    from vllm.compilation import split
+
+    direct_calls = []
+
+    def direct(q, k, v, out):
+        direct_calls.append(q.shape[0])
+        silly_attention(q, k, v, out)
+
+    monkeypatch.setitem(split._EAGER_IMPLS, SILLY_OP, direct)
+    model = build(num_attn=2)
+    check(model, 5)  # the trace itself runs the op through the dispatcher (fake/real)
+    direct_calls.clear()
+    check(model, 3)
+    assert direct_calls == [3, 3]
+    # The attention op is registered so.
+    import vllm.attention.layer as attention
+
+    assert split._EAGER_IMPLS[attention.ATTENTION_OP_NAME] is \
+        attention.unified_attention_with_output
+
+
 def test_compile_sizes_add_static_compiles_used_for_those_sizes():
     model = build(compile_sizes=[4, 6])
     with compilation_counter.expect(num_backend_compilations=3, num_recompiles=0):

@@ -1,6 +1,7 @@
 """Sampler: greedy, filters, seeded reproducibility, logprobs, min_tokens, penalties."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm.model_executor.layers.sampler import (
@@ -93,3 +94,14 @@ def test_min_tokens_mask_and_penalties():
                                                                                          [0]]))
     # Row 0: token 0 seen in the prompt -> 5/10 < 1. Row 1: token 0 in the output -> 5-5 = 0.
     assert Sampler()(logits, md).sampled_token_ids.tolist() == [1, 1]
+
+
+def test_all_greedy_batches_need_no_temperatures():
+    """The runner leaves `temperature` unset when every row is greedy (one tensor less per
+    step); a batch with random rows must have them."""
+    logits = torch.randn(3, 50)
+    md = SamplingMetadata(temperature=None, all_greedy=True, all_random=False)
+    assert Sampler()(logits, md).sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+    md = SamplingMetadata(temperature=None, all_greedy=False, all_random=True)
+    with pytest.raises(AssertionError, match="needs temperatures"):
+        Sampler()(logits, md)

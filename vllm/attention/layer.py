@@ -7,6 +7,7 @@ attention metadata and the layer (with its KV cache) from the forward context.
 import torch
 import torch.nn as nn
 
+from vllm.compilation.split import register_eager_impl
 from vllm.forward_context import get_forward_context
 
 ATTENTION_OP_NAME = "vllm::unified_attention_with_output"
@@ -112,6 +113,9 @@ _lib.define(ATTENTION_OP_NAME.split("::")[1]
 _lib.impl(ATTENTION_OP_NAME.split("::")[1], unified_attention_with_output,
           "CompositeExplicitAutograd")
 torch.library.register_fake(ATTENTION_OP_NAME, _unified_attention_with_output_fake, lib=_lib)
+# A splitting piece (the op runs eagerly between the compiled pieces) calls the function
+# directly, not through the dispatcher.
+register_eager_impl(ATTENTION_OP_NAME, unified_attention_with_output)
 
 
 def collect_attention_layers(model: nn.Module) -> dict[str, Attention]:

@@ -26,7 +26,7 @@ from vllm.compilation.inductor_pass import Range, compile_ranges
 from vllm.compilation.monitor import get_startup_timer
 from vllm.compilation.pass_manager import PostGradPassManager
 from vllm.compilation.piecewise_backend import PiecewiseBackend
-from vllm.compilation.split import SplitItem, op_names, split_graph  # noqa: F401
+from vllm.compilation.split import SplitItem, eager_runnable, op_names, split_graph  # noqa: F401
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 
@@ -188,7 +188,7 @@ class VllmBackend:
         for item in items:
             if item.is_splitting:
                 # Call the graph's code directly: nn.Module.__call__ costs microseconds a call.
-                split_gm.__dict__[item.name] = item.graph.forward
+                split_gm.__dict__[item.name] = eager_runnable(item.graph)
                 continue
             piece = make_piece(item)
             self.piece_backends.append(piece)

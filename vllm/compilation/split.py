@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,39 @@ def op_names(target: Any) -> set[str]:
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
     module = getattr(target, "__module__", None)
     return {f"{module}.{name}"} if name and module else set()
+
+
+_EAGER_IMPLS: dict[str, Callable[..., Any]] = {}
+
+
+def register_eager_impl(op_name: str, fn: Callable[..., Any]) -> None:
+    """`fn`, the Python implementation of the op `op_name` ("ns::op", its default overload),
+    is what a splitting piece calls in its place (`eager_runnable`)."""
+    _EAGER_IMPLS[op_name] = fn
+
+
+def eager_runnable(graph: fx.GraphModule) -> Callable[..., Any]:
+    """A splitting piece's runnable: its graph's code, with each call of an op registered by
+    `register_eager_impl` made to the Python implementation directly. The piece runs eagerly
+    anyway; the dispatcher's round trip into Python cost ~3 us a call (the attention op, once
+    per layer per step). Rewrites `graph` in place."""
+    changed = False
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            name = target._qualified_op_name
+        elif isinstance(target, torch._ops.OpOverload) and target._overloadname == "default":
+            name = target._schema.name
+        else:
+            continue
+        fn = _EAGER_IMPLS.get(name)
+        if fn is not None:
+            node.target, changed = fn, True
+    if changed:
+        graph.recompile()
+    return graph.forward
 
 
 @dataclasses.dataclass

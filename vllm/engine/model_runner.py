@@ -324,8 +324,14 @@ class ModelRunner:
     # ---- sampling -----------------------------------------------------------------------
     def _sample(self, hidden: torch.Tensor, req_ids: list[str], logits_indices: list[int],
                 output: ModelRunnerOutput) -> None:
-        indices = self.input_buffers.commit_logits_indices(logits_indices)
-        logits = self.model.compute_logits(hidden[indices])
+        # The indices increase (one per request, in batch order): first..last spaced by one
+        # is a run (all-decode batches), taken as a view instead of a gather.
+        first, n = logits_indices[0], len(logits_indices)
+        if logits_indices[-1] - first == n - 1:
+            rows = hidden[first:first + n]
+        else:
+            rows = hidden[self.input_buffers.commit_logits_indices(logits_indices)]
+        logits = self.model.compute_logits(rows)
         if not self.is_driver:
             return
         states = [self.requests[r] for r in req_ids]
@@ -354,8 +360,8 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=device)
 
         md = SamplingMetadata(
-            temperature=tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                               torch.float32),
+            temperature=None if all_greedy else tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
             all_greedy=all_greedy, all_random=all_random)
         if not all_greedy:
             if not all_random:

@@ -35,8 +35,9 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 class SamplingMetadata:
     """Per-row sampling inputs (N rows, device tensors unless noted)."""
 
-    temperature: torch.Tensor
-    """[N] float32; 1.0 on greedy rows (they take the argmax anyway)."""
+    temperature: torch.Tensor | None
+    """[N] float32; 1.0 on greedy rows (they take the argmax anyway). None when all rows are
+    greedy."""
     all_greedy: bool
     all_random: bool
     greedy_mask: torch.Tensor | None = None
@@ -105,6 +106,7 @@ class Sampler(nn.Module):
         greedy = greedy_argmax(logits) if not metadata.all_random else None
         if metadata.all_greedy:
             return greedy
+        assert metadata.temperature is not None, "a batch with random rows needs temperatures"
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
