@@ -2,11 +2,13 @@
 
 For each model (a Qwen2.5-0.5B-shaped random-weight checkpoint and the built-in demo model)
 and each level -O0..-O3, in fresh processes: time to ready with an empty compile cache (cold)
-and with the cache the cold run filled (warm), then decode tokens/s at batch 1 and batch 16
-(the warm process measures). Batch-1 decode is also given as a fraction of the memory-
-bandwidth roofline: bytes read per token (weights + KV) divided by the read bandwidth
-measured right before and after each timed decode (see `Bandwidth`). Writes markdown, JSON
-and a PNG plot to benchmarks/results/.
+and with the cache the cold run filled (warm). The last warm process of each level stays up,
+and the levels then take turns measuring decode tokens/s at batch 1 and batch 16, round after
+round, so that the ratios between levels are taken on the same machine state (its memory
+bandwidth drifts by 2x from minute to minute). Batch-1 decode is also given as a fraction of
+the memory-bandwidth roofline: bytes read per token (weights + KV) divided by the read
+bandwidth measured right before and after each timed decode (see `Bandwidth`). Writes
+markdown, JSON and a PNG plot to benchmarks/results/.
 
     python benchmarks/bench_levels.py --models demo qwen2.5-0.5b --max-tokens 32
 """
@@ -66,6 +68,8 @@ def bytes_per_token(model, dtype_size: int, context: int, kv_per_token: int) -> 
 
 
 def worker(args) -> None:
+    """One engine at one level: start, report the start-up, then (with --measure) serve decode
+    measurements one command at a time from stdin ("b1 N", "b16 N", "quit")."""
     start_process = float(os.environ["BENCH_SPAWN_TIME"])
     import torch
 
@@ -74,7 +78,7 @@ def worker(args) -> None:
 
     t0 = time.time()
     llm = LLM(model=args.path, optimization_level=args.level, dtype=args.dtype,
-              max_model_len=512, kv_cache_memory="1GiB", max_num_seqs=16)
+              max_model_len=512, kv_cache_memory="256MiB", max_num_seqs=16)
     ready = time.time()
     result = {"engine_startup_s": ready - t0, "process_to_ready_s": ready - start_process}
     # CPU -O2/-O3 finish prepacking their weights in the background after ready: the time
@@ -82,65 +86,142 @@ def worker(args) -> None:
     from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
 
     result["prepacked_after_ready_s"] = wait_for_prepacking()
-    if args.measure:
-        bandwidth = Bandwidth()
-        engine = llm.llm_engine
-        cfg = engine.vllm_config.model_config
-        vocab = cfg.get_vocab_size()
-
-        def prompts_of(batch: int) -> list[dict]:
-            lengths = [32] if batch == 1 else [16 + (112 * i) // (batch - 1) for i in range(batch)]
-            return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5
-                                          for j in range(m)]} for i, m in enumerate(lengths)]
-
-        def run(batch: int, n: int) -> float:
-            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            engine.reset_prefix_cache()  # time the prefill too, not cache hits
-            begin = time.perf_counter()
-            llm.generate(prompts_of(batch), params, use_tqdm=False)
-            return time.perf_counter() - begin
-
-        run(1, 2)
-        run(16, 2)  # warm-up (compiles nothing new: the engine compiled at start-up)
-        n = args.max_tokens
-        model = engine.executor.model
+    engine = llm.llm_engine
+    cfg = engine.vllm_config.model_config
+    model = engine.executor.model
+    if args.measure and model is not None:
         size = torch.tensor([], dtype=cfg.torch_dtype).element_size()
         kv = 2 * cfg.get_num_layers() * cfg.get_num_kv_heads() * cfg.get_head_size() * size
-        per_token = bytes_per_token(model, size, 32 + n // 2, kv) if model is not None else None
-        # Batch 1: per repeat, the decode rate ((n - 1) tokens in the time an n-token request
-        # takes beyond a 1-token one) and the bandwidth right before and after it.
-        rates, fractions, bandwidths = [], [], []
-        for _ in range(args.repeats):
-            before = bandwidth.now()
-            one, full = run(1, 1), run(1, n)
-            now = max(before, bandwidth.now())
-            rate = (n - 1) / max(full - one, 1e-9)
-            rates.append(rate)
-            bandwidths.append(now)
-            if per_token is not None:
-                fractions.append(rate * per_token / (now * 1e9))
-        result["decode_b1_tok_s"] = max(rates)
-        result["bandwidth_gbs"] = statistics.median(bandwidths)
-        if fractions:
-            result["bytes_per_token"] = per_token
-            result["roofline_fraction"] = statistics.median(fractions)
-        result["total_b16_tok_s"] = 16 * n / min(run(16, n) for _ in range(args.repeats))
+        result["bytes_per_token"] = bytes_per_token(model, size, 32 + args.max_tokens // 2, kv)
     print(_RESULT + json.dumps(result), flush=True)
+    if not args.measure:
+        return
+    vocab = cfg.get_vocab_size()
+
+    def prompts_of(batch: int) -> list[dict]:
+        lengths = [32] if batch == 1 else [16 + (112 * i) // (batch - 1) for i in range(batch)]
+        return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(m)]}
+                for i, m in enumerate(lengths)]
+
+    def run(batch: int, n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        engine.reset_prefix_cache()  # time the prefill too, not cache hits
+        begin = time.perf_counter()
+        llm.generate(prompts_of(batch), params, use_tqdm=False)
+        return time.perf_counter() - begin
+
+    run(1, 2)
+    run(16, 2)  # warm-up (compiles nothing new: the engine compiled at start-up)
+    for line in sys.stdin:
+        command, *rest = line.split()
+        if command == "quit":
+            break
+        n = int(rest[0])
+        if command == "b1":
+            # (n - 1) tokens in the time an n-token request takes beyond a 1-token one.
+            one, full = run(1, 1), run(1, n)
+            answer = {"tok_s": (n - 1) / max(full - one, 1e-9)}
+        else:
+            answer = {"tok_s": 16 * n / run(16, n)}
+        print(_RESULT + json.dumps(answer), flush=True)
 
 
-def run_case(args, path: str, level: int, cache_root: str, measure: bool) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--path", path, "--level", str(level),
-           "--dtype", args.dtype, "--threads", str(args.threads), "--max-tokens",
-           str(args.max_tokens), "--repeats", str(args.repeats)]
-    cmd += ["--measure"] if measure else []
-    env = {**os.environ, "VLLM_CACHE_ROOT": cache_root,
-           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_root, "inductor"),
-           "VLLM_LOGGING_LEVEL": "WARNING", "BENCH_SPAWN_TIME": repr(time.time())}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [x for x in out.stdout.splitlines() if x.startswith(_RESULT)]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"level {level} on {path} failed:\n{out.stderr[-4000:]}")
-    return json.loads(lines[0][len(_RESULT):])
+class Worker:
+    """A worker process; `result` is its start-up report."""
+
+    def __init__(self, args, path: str, level: int, cache_root: str, measure: bool) -> None:
+        cmd = [sys.executable, __file__, "--worker", "--path", path, "--level", str(level),
+               "--dtype", args.dtype, "--threads", str(args.threads), "--max-tokens",
+               str(args.max_tokens)]
+        cmd += ["--measure"] if measure else []
+        env = {**os.environ, "VLLM_CACHE_ROOT": cache_root,
+               "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_root, "inductor"),
+               "VLLM_LOGGING_LEVEL": "WARNING", "BENCH_SPAWN_TIME": repr(time.time())}
+        self.name = f"level {level} on {path}"
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, env=env)
+        self.result = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(_RESULT):
+                return json.loads(line[len(_RESULT):])
+        self.proc.wait()
+        self.stderr.seek(0)
+        raise RuntimeError(f"{self.name} failed:\n{self.stderr.read()[-4000:]}")
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.stderr.close()
+
+
+def start_levels(args, path: str) -> tuple[dict[int, dict], dict[int, Worker], list[str]]:
+    """Per level: a cold start, warm starts on its cache, the last kept running to measure."""
+    starts: dict[int, dict] = {}
+    workers: dict[int, Worker] = {}
+    roots = []
+    for level in args.levels:
+        cache_root = tempfile.mkdtemp(prefix=f"bench_levels_O{level}_")
+        roots.append(cache_root)
+        cold = Worker(args, path, level, cache_root, measure=False)
+        cold.close()
+        warm = []
+        for _ in range(args.warm_runs - 1):
+            w = Worker(args, path, level, cache_root, measure=False)
+            w.close()
+            warm.append(w.result)
+        workers[level] = Worker(args, path, level, cache_root, measure=True)
+        warm.append(workers[level].result)
+        starts[level] = {"cold": cold.result, "warm": warm}
+    return starts, workers, roots
+
+
+def measure_levels(args, workers: dict[int, Worker]) -> dict[int, dict]:
+    """Decode at every level, interleaved: each round runs every level once, so the levels of
+    a round see the same machine (its bandwidth drifts from minute to minute) and the ratios
+    against the base level are taken per round. Batch 1 is paired with the bandwidth measured
+    right before and after it."""
+    bandwidth = Bandwidth()
+    base = min(workers)
+    rounds: dict[int, dict[str, list[float]]] = {
+        level: {"b1": [], "b16": [], "gbs": [], "roofline": []} for level in workers}
+    for kind in ("b1", "b16"):
+        for _ in range(args.repeats):
+            for level, w in workers.items():
+                time.sleep(0.05)  # the previous worker's OpenMP threads stop spinning
+                before = bandwidth.now() if kind == "b1" else None
+                rate = w.ask(f"{kind} {args.max_tokens}")["tok_s"]
+                rounds[level][kind].append(rate)
+                if kind == "b1":
+                    gbs = max(before, bandwidth.now())
+                    rounds[level]["gbs"].append(gbs)
+                    per_token = w.result.get("bytes_per_token")
+                    if per_token:
+                        rounds[level]["roofline"].append(rate * per_token / (gbs * 1e9))
+    out = {}
+    for level, r in rounds.items():
+        out[level] = {
+            "decode_b1_tok_s": statistics.median(r["b1"]),
+            "total_b16_tok_s": statistics.median(r["b16"]),
+            "bandwidth_gbs": statistics.median(r["gbs"]),
+            "b1_vs_base": statistics.median(a / b for a, b in zip(r["b1"], rounds[base]["b1"])),
+            "b16_vs_base": statistics.median(a / b for a, b in
+                                             zip(r["b16"], rounds[base]["b16"]))}
+        if r["roofline"]:
+            out[level]["roofline_fraction"] = statistics.median(r["roofline"])
+    return out
 
 
 def plot(rows: list[dict], out_png: str) -> None:
@@ -173,9 +254,10 @@ def main() -> None:
     parser.add_argument("--levels", nargs="+", type=int, default=[0, 1, 2, 3])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="decode rounds")
     parser.add_argument("--warm-runs", type=int, default=3,
-                        help="warm starts per level (median); the last one measures decode")
+                        help="warm starts per level (median); the last one stays up to "
+                             "measure decode")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ckpt-root", default=os.path.join(HERE, "results", "tmp"))
     parser.add_argument("--out", default=os.path.join(HERE, "results", "levels"))
@@ -191,28 +273,26 @@ def main() -> None:
     rows = []
     for name in args.models:
         path = "demo" if name == "demo" else write_checkpoint(name, args.ckpt_root)
+        workers: dict[int, Worker] = {}
+        roots: list[str] = []
+        try:
+            starts, workers, roots = start_levels(args, path)
+            decode = measure_levels(args, workers)
+        finally:
+            for w in workers.values():
+                w.close()
+            for root in roots:
+                shutil.rmtree(root, ignore_errors=True)
         for level in args.levels:
-            cache_root = tempfile.mkdtemp(prefix=f"bench_levels_O{level}_")
-            try:
-                cold = run_case(args, path, level, cache_root, measure=False)
-                starts = [run_case(args, path, level, cache_root, measure=False)
-                          for _ in range(args.warm_runs - 1)]
-                warm = run_case(args, path, level, cache_root, measure=True)
-            finally:
-                shutil.rmtree(cache_root, ignore_errors=True)
-            starts.append(warm)
+            cold, warm = starts[level]["cold"], starts[level]["warm"]
             row = {"model": name, "level": level, "cold_start_s": cold["process_to_ready_s"],
                    "cold_engine_s": cold["engine_startup_s"],
-                   "warm_start_s": statistics.median(r["process_to_ready_s"] for r in starts),
-                   "warm_engine_s": statistics.median(r["engine_startup_s"] for r in starts),
-                   "warm_runs": len(starts),
+                   "warm_start_s": statistics.median(r["process_to_ready_s"] for r in warm),
+                   "warm_engine_s": statistics.median(r["engine_startup_s"] for r in warm),
+                   "warm_runs": len(warm),
                    "warm_prepacked_after_s": statistics.median(
-                       r["prepacked_after_ready_s"] for r in starts),
-                   "decode_b1_tok_s": warm["decode_b1_tok_s"],
-                   "total_b16_tok_s": warm["total_b16_tok_s"]}
-            if "roofline_fraction" in warm:
-                row["bandwidth_gbs"] = warm["bandwidth_gbs"]
-                row["roofline_fraction"] = warm["roofline_fraction"]
+                       r["prepacked_after_ready_s"] for r in warm),
+                   **decode[level]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = [f"{args.dtype}, {args.max_tokens} output tokens, {args.threads} threads. Start-up: "
@@ -220,9 +300,13 @@ def main() -> None:
              f"compile caches, warm = median of {args.warm_runs} starts on the cold run's "
              "caches. +prepack: how long after ready the CPU -O2/-O3 weight prepacking "
              "(background) was done, median of the warm starts; decode is measured after it. "
-             "Decode b1: best of the repeats. Roofline: per repeat, the decode rate against "
-             "bytes read per step / the read bandwidth measured right before and after it; "
-             "median over the repeats, with the median bandwidth (GB/s column).", "",
+             "Decode: the last warm process of every level stays up and they take turns, "
+             f"{args.repeats} rounds (each level once a round); tok/s are medians over the "
+             "rounds, and the ratios against -O0 are the medians of the per-round ratios (the "
+             "machine's bandwidth drifts between rounds, not within one). Roofline: per "
+             "round, the batch-1 rate against bytes read per step / the read bandwidth "
+             "measured right before and after it; median over the rounds, with the median "
+             "bandwidth (GB/s column).", "",
              "| model | level | cold start (s) | warm start (s) | warm engine (s) | +prepack (s) | "
              "decode b1 (tok/s) | b1 % of roofline (GB/s) | b16 total (tok/s) | b1 vs O0 | "
              "b16 vs O0 | warm start vs O0 (process / engine) |",
@@ -236,8 +320,8 @@ def main() -> None:
             f"| {r['warm_engine_s']:.1f} | {r['warm_prepacked_after_s']:.1f} | "
             f"{r['decode_b1_tok_s']:.1f} | {frac} | "
             f"{r['total_b16_tok_s']:.1f} | "
-            f"{r['decode_b1_tok_s'] / base['decode_b1_tok_s']:.2f}x | "
-            f"{r['total_b16_tok_s'] / base['total_b16_tok_s']:.2f}x | "
+            f"{r['b1_vs_base']:.2f}x | "
+            f"{r['b16_vs_base']:.2f}x | "
             f"{r['warm_start_s'] / base['warm_start_s']:.2f}x / "
             f"{r['warm_engine_s'] / base['warm_engine_s']:.2f}x |")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
