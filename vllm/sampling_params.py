@@ -10,6 +10,17 @@ from typing import Any
 _SAMPLING_EPS = 1e-5
 
 
+class RequestOutputKind(enum.IntEnum):
+    """Which RequestOutputs a request yields (upstream's names and values)."""
+
+    CUMULATIVE = 0
+    """After every step: the text, tokens and logprobs so far."""
+    DELTA = 1
+    """After every step: only what that step added (and the prompt logprobs in the first)."""
+    FINAL_ONLY = 2
+    """Once, when the request is finished (what `LLM.generate` uses)."""
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -46,6 +57,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer and generation config (not user fields).
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False,
                                           compare=False)
@@ -112,6 +124,11 @@ class SamplingParams:
                              f"{self.stop_token_ids!r}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise bad("output_kind", "a RequestOutputKind (CUMULATIVE 0, DELTA 1, "
+                      "FINAL_ONLY 2)") from None
 
     # ---- derived ------------------------------------------------------------------------
     @property

@@ -29,6 +29,28 @@ def test_greedy_matches_transformers(llm, hf_greedy):
     assert again.outputs[0].token_ids == hf_greedy(PROMPTS[2])
 
 
+def test_generate_builds_final_outputs_only(llm, hf_greedy, monkeypatch):
+    """LLM.generate returns finished requests only, so it asks for FINAL_ONLY outputs (none
+    built per step), without changing the caller's SamplingParams."""
+    from vllm.engine.output_processor import OutputProcessor
+    from vllm.sampling_params import RequestOutputKind
+
+    built = []
+    process = OutputProcessor.process_outputs
+
+    def counting(self, outputs):
+        results, stopped = process(self, outputs)
+        built.extend(results)
+        return results, stopped
+
+    monkeypatch.setattr(OutputProcessor, "process_outputs", counting)
+    params = greedy()
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert len(built) == 2 and all(o.finished for o in built)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(p) for p in PROMPTS[:2]]
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+
+
 @pytest.mark.parametrize("kwargs", [
     {"enable_prefix_caching": False},
     {"max_num_batched_tokens": 16},

@@ -2,13 +2,15 @@
 logprob dicts."""
 from __future__ import annotations
 
+import pytest
+
 from vllm.engine.output_processor import (
     IncrementalDetokenizer,
     OutputProcessor,
     find_stop_string,
 )
 from vllm.engine.sched_output import EngineCoreOutput, LogprobsLists
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_incremental_matches_full_decode(tokenizer):
@@ -77,3 +79,56 @@ def test_abort_returns_unfinished_internal_ids(tokenizer):
     proc.process_outputs([_step("0_r", [7], "length")])
     assert proc.abort_requests(["r", "unknown"]) == ["1_r"]
     assert not proc.has_unfinished_requests()
+
+
+def test_output_kinds(tokenizer):
+    """CUMULATIVE: everything so far at every step; DELTA: only what each step added (text,
+    tokens, logprobs; the prompt logprobs once), with held-back stop-string text released
+    later; FINAL_ONLY: one output, when finished."""
+    ids = tokenizer.encode(" quick brown fox jumps over")
+    lp = LogprobsLists([0], [-0.5], [1])
+
+    def run(kind, **kw):
+        proc = OutputProcessor(tokenizer)
+        params = SamplingParams(output_kind=kind, logprobs=0, prompt_logprobs=0, **kw)
+        proc.add_request("r", "p", [5, 6], params, ["r"], [params])
+        outs = []
+        for i, token in enumerate(ids):
+            finish = "length" if i == len(ids) - 1 else None
+            step = _step("r", [token], finish, new_logprobs=[LogprobsLists([token], [-0.5],
+                                                                           [1])])
+            if i == 0:
+                step.new_prompt_logprobs = [lp]
+            got, stopped = proc.process_outputs([step])
+            outs += got
+            if stopped:
+                break
+        return outs
+
+    cumulative = run(RequestOutputKind.CUMULATIVE)
+    assert len(cumulative) == len(ids) and cumulative[-1].outputs[0].token_ids == ids
+    full_text = cumulative[-1].outputs[0].text
+    assert full_text == tokenizer.decode(ids)
+
+    delta = run(RequestOutputKind.DELTA)
+    assert len(delta) == len(ids)
+    assert [o.outputs[0].token_ids for o in delta] == [[t] for t in ids]
+    assert "".join(o.outputs[0].text for o in delta) == full_text
+    assert [len(o.outputs[0].logprobs) for o in delta] == [1] * len(ids)
+    assert delta[0].prompt_logprobs is not None
+    assert all(o.prompt_logprobs is None for o in delta[1:])
+    assert [o.finished for o in delta] == [False] * (len(ids) - 1) + [True]
+    # With a stop string the held-back characters come later, never twice or lost.
+    delta = run(RequestOutputKind.DELTA, stop=["jumps"])
+    assert "".join(o.outputs[0].text for o in delta) == " quick brown fox "
+    assert delta[-1].finished and delta[-1].outputs[0].stop_reason == "jumps"
+
+    final = run(RequestOutputKind.FINAL_ONLY)
+    assert len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == ids and final[0].outputs[0].text == full_text
+
+
+def test_output_kind_is_validated():
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind.*got 7"):
+        SamplingParams(output_kind=7)

@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm.engine.sched_output import EngineCoreOutput, LogprobsLists
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 # Prompt tokens decoded in front of the output, so the first output token gets its leading
 # space (and byte-level pieces their context) right.
@@ -82,18 +82,27 @@ class SequenceState:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.sent = (0, 0)
+        """DELTA outputs: the characters of text and the tokens already sent."""
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                                    params.skip_special_tokens)
                             if params.detokenize and tokenizer is not None else None)
 
-    def completion(self) -> CompletionOutput:
+    def completion(self, delta: bool = False) -> CompletionOutput:
+        """The completion so far, or with `delta` what was added since the last delta."""
         text = self.text
         hold = self.params.output_text_buffer_length
         if hold and self.finish_reason is None:
             text = text[:max(len(text) - hold, 0)]
-        return CompletionOutput(index=self.index, text=text, token_ids=list(self.token_ids),
+        tokens, logprobs = self.token_ids, self.logprobs
+        if delta:
+            text_sent, tokens_sent = self.sent
+            self.sent = (len(text), len(tokens))
+            text, tokens = text[text_sent:], tokens[tokens_sent:]
+            logprobs = None if logprobs is None else logprobs[tokens_sent:]
+        return CompletionOutput(index=self.index, text=text, token_ids=list(tokens),
                                 cumulative_logprob=self.cumulative_logprob,
-                                logprobs=None if self.logprobs is None else list(self.logprobs),
+                                logprobs=None if logprobs is None else list(logprobs),
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
@@ -110,17 +119,28 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.num_cached_tokens = 0
+        self.outputs_sent = 0
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self) -> RequestOutput | None:
+        """This step's RequestOutput, as the request's `output_kind` asks (None: nothing to
+        send this step)."""
+        finished, kind = self.finished, self.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        prompt_logprobs = self.prompt_logprobs
+        if delta:
+            prompt_logprobs = None if self.outputs_sent else prompt_logprobs
+        self.outputs_sent += 1
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,
-                             prompt_logprobs=self.prompt_logprobs,
-                             outputs=[s.completion() for s in self.sequences],
-                             finished=self.finished, num_cached_tokens=self.num_cached_tokens)
+                             prompt_logprobs=prompt_logprobs,
+                             outputs=[s.completion(delta) for s in self.sequences],
+                             finished=finished, num_cached_tokens=self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -180,7 +200,9 @@ class OutputProcessor:
             changed[state.request_id] = state
         results = []
         for request_id, state in changed.items():
-            results.append(state.make_output())
+            output = state.make_output()
+            if output is not None:
+                results.append(output)
             if state.finished:
                 self.requests.pop(request_id, None)
                 for seq in state.sequences:

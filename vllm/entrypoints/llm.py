@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.engine.llm_engine import LLMEngine, PromptType
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
 
@@ -102,6 +102,10 @@ class LLM:
         order: dict[str, int] = {}
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = str(next(self._request_counter))
+            if params.output_kind != RequestOutputKind.FINAL_ONLY:
+                # Only the final outputs are returned: no per-step outputs to build.
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
             engine.add_request(request_id, prompt, params)
             order[request_id] = index
         results: list[RequestOutput | None] = [None] * len(prompts)
