@@ -129,22 +129,26 @@ def runner_after_trace(backend: VllmBackend, model: Any, signature: Any, forward
     try:
         record = _make_record(backend, model, signature, bound, output, graph_outputs)
         # The sources must evaluate now as they will at load (the weights' shapes, dtypes and
-        # devices are kept, to be checked there), and the split module must load back (FX
-        # re-traces its code).
+        # devices are kept, to be checked there).
         runner = CachedGraphRunner(model, signature, record, forward.__globals__)
         locals_ = dict(bound.arguments)
         runner.resolve(locals_)
         runner.build(locals_)
         record["stable_meta"] = [tensor_meta(v) for v in runner.stable]
-        if backend.split_pickle is not None:
-            pickle.loads(backend.split_pickle)
     except Exception as e:
         logger.info("the traced graph's inputs cannot be computed without Dynamo (%s): calls "
                     "keep going through Dynamo and warm starts trace again", e)
         return None
     runner.forward = recorder.forward
     if backend.cache is not None and backend.split_pickle is not None:
-        _save(backend, record)
+        try:
+            pickle.loads(backend.split_pickle)  # FX re-traces its code: it must load back
+        except Exception as e:
+            logger.info("compile cache: the traced graph is not saved (the split module does "
+                        "not load back: %s: %s); warm starts will trace with Dynamo",
+                        type(e).__name__, e)
+        else:
+            _save(backend, record)
     return runner
 
 
