@@ -7,6 +7,7 @@ attention metadata and the layer (with its KV cache) from the forward context.
 import torch
 import torch.nn as nn
 
+from vllm.attention.backends.abstract import check_sliding_window
 from vllm.compilation.split import register_eager_impl
 from vllm.forward_context import get_forward_context
 
@@ -19,11 +20,15 @@ class Attention(nn.Module):
     num_heads / num_kv_heads are this rank's head counts; `prefix` is the layer name
     (e.g. "model.layers.0.self_attn.attn"), unique in the model: the key of
     `model.attention_layers`, of the forward context's `attn_layers` and of `bind_kv_cache`.
+    `sliding_window`: None (full causal attention) or W, this layer's sliding window: the query
+    at position p attends to the keys at positions p - W < j <= p (transformers' semantics).
+    The KV cache still keeps every token; the window only limits what attention reads.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float,
                  num_kv_heads: int | None = None, cache_config=None, quant_config=None,
-                 prefix: str = "", attn_backend=None) -> None:
+                 prefix: str = "", attn_backend=None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         del quant_config
         if not prefix:
@@ -34,6 +39,8 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
         self.scale = float(scale)
+        self.sliding_window = check_sliding_window(sliding_window,
+                                                   f"sliding_window of {prefix!r}")
         from vllm.config import get_current_vllm_config
 
         config = get_current_vllm_config()
@@ -44,10 +51,16 @@ class Attention(nn.Module):
             from vllm.attention.selector import get_attn_backend
 
             attn_backend = get_attn_backend(head_size, torch.get_default_dtype(),
-                                            block_size=self.block_size)
+                                            block_size=self.block_size,
+                                            sliding_window=self.sliding_window)
+        elif self.sliding_window is not None and not attn_backend.supports_sliding_window:
+            raise ValueError(f"attention backend {attn_backend.get_name()} does not support "
+                             f"sliding-window attention (layer {prefix!r}, "
+                             f"sliding_window={self.sliding_window})")
         self.attn_backend = attn_backend
         self.impl = attn_backend.get_impl_cls()(self.num_heads, head_size, self.scale,
-                                                self.num_kv_heads)
+                                                self.num_kv_heads,
+                                                sliding_window=self.sliding_window)
         # A plain attribute (not a buffer): the engine binds the real cache with
         # bind_kv_cache(); built on the CPU so meta-device construction leaves it usable.
         self.kv_cache = torch.empty(0, device="cpu")
@@ -67,6 +80,7 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (f"layer_name={self.layer_name!r}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"sliding_window={self.sliding_window}, "
                 f"backend={self.attn_backend.get_name()}")
 
 

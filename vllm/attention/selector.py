@@ -4,10 +4,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from vllm.logger import init_logger
+
 if TYPE_CHECKING:
     import torch
 
     from vllm.attention.backends.abstract import AttentionBackend
+
+logger = init_logger(__name__)
 
 # name -> (module, class); imported only when chosen, so CUDA-only backends never load on a
 # machine without CUDA.
@@ -20,17 +24,36 @@ def registered_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_attn_backend(head_size: int, dtype: torch.dtype | None = None,
-                     kv_cache_dtype: str | None = None, block_size: int | None = None,
-                     backend_name: str | None = None) -> type[AttentionBackend]:
-    """The backend class for these shapes (TORCH_SDPA on every platform for now)."""
-    del dtype, kv_cache_dtype, block_size
-    name = (backend_name or "TORCH_SDPA").upper()
+# The backend every platform can run, and that implements every feature (sliding windows).
+_FALLBACK = "TORCH_SDPA"
+
+
+def _load(name: str) -> type[AttentionBackend]:
     if name not in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is not registered; choose one of "
                          + ", ".join(registered_backends()))
     module, cls_name = _BACKENDS[name]
-    backend = getattr(importlib.import_module(module), cls_name)
+    return getattr(importlib.import_module(module), cls_name)
+
+
+def get_attn_backend(head_size: int, dtype: torch.dtype | None = None,
+                     kv_cache_dtype: str | None = None, block_size: int | None = None,
+                     backend_name: str | None = None,
+                     sliding_window: int | None = None) -> type[AttentionBackend]:
+    """The backend class for these shapes (TORCH_SDPA on every platform for now).
+
+    A layer with a `sliding_window` never gets a backend that would ignore it: a default choice
+    that cannot apply it falls back to TORCH_SDPA (logged); a named one is an error."""
+    del dtype, kv_cache_dtype, block_size
+    name = (backend_name or _FALLBACK).upper()
+    backend = _load(name)
+    if sliding_window is not None and not backend.supports_sliding_window:
+        if backend_name is not None:
+            raise ValueError(f"attention backend {name} does not support sliding-window "
+                             f"attention (sliding_window={sliding_window}); use {_FALLBACK}")
+        logger.info_once("attention backend %s does not support sliding-window attention: "
+                         "layers with a window use %s", name, _FALLBACK)
+        name, backend = _FALLBACK, _load(_FALLBACK)
     if not backend.supports_head_size(head_size):
         raise ValueError(f"attention backend {name} does not support head_size {head_size}")
     return backend

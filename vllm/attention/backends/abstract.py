@@ -9,6 +9,16 @@ if TYPE_CHECKING:
     import torch
 
 
+def check_sliding_window(window: Any, what: str = "sliding_window") -> int | None:
+    """`window` as a positive int, or None (no window); ValueError naming a bad value."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{what} must be a positive integer (the number of keys a query sees, "
+                         f"itself included) or None for full attention; got {window!r}")
+    return window
+
+
 class AttentionCGSupport(enum.Enum):
     """Which batches a backend can run inside a full CUDA graph."""
 
@@ -28,11 +38,15 @@ class AttentionImpl(ABC):
     output [T, num_heads*head_size] (written in place)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float,
-                 num_kv_heads: int | None = None, **kwargs: Any) -> None:
+                 num_kv_heads: int | None = None, sliding_window: int | None = None,
+                 **kwargs: Any) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = check_sliding_window(sliding_window)
+        """None, or W: the query at position p attends to the keys at positions p - W < j <= p
+        (W keys including itself), as transformers' sliding-window causal mask."""
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
@@ -62,6 +76,9 @@ class AttentionBackend(ABC):
 
     accept_output_buffer: ClassVar[bool] = True
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    supports_sliding_window: ClassVar[bool] = False
+    """Whether the impl applies `sliding_window`; the selector never gives a layer with a
+    window a backend that would ignore it."""
 
     @staticmethod
     @abstractmethod

@@ -3,13 +3,16 @@ call, and its plain-torch reference.
 
     if cpu_paged_attention_available():
         paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
-                        scale, out)
+                        scale, out, window=None)
 
 The kernel reads each request's K/V straight from the paged cache (no gather into a padded
-copy) and handles decode rows and chunks with cached context alike; see the C++ file for the
-contract. It is built at first use, once per machine, and cached under the vllm cache root
-(vllm/utils/cpu_kernels.py); when the build fails the failure is logged once and callers keep
-their plain-torch path. Set VLLM_CPU_ATTENTION_KERNEL=0 to never build or load it.
+copy) and handles decode rows and chunks with cached context alike; `window` (a sliding
+window W: query position p sees keys p - W < j <= p, as transformers masks them; None = the
+whole causal context) skips the blocks no row can see. See the C++ file for the contract.
+It is built at first use, once per machine, and cached under the vllm cache root
+(vllm/utils/cpu_kernels.py; the cache key hashes the source, so an edited kernel is rebuilt);
+when the build fails the failure is logged once and callers keep their plain-torch path.
+Set VLLM_CPU_ATTENTION_KERNEL=0 to never build or load it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import os
 
 import torch
 
+from vllm.attention.backends.abstract import check_sliding_window
 from vllm.utils.cpu_kernels import load_cpu_extension
 
 _SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
@@ -30,37 +34,48 @@ def cpu_paged_attention_available() -> bool:
     return load_cpu_extension("paged_attention", _SOURCE, "VLLM_CPU_ATTENTION_KERNEL")
 
 
+def _window_arg(window: int | None) -> int:
+    """The kernels' int window argument: 0 = no window."""
+    return check_sliding_window(window, "window") or 0
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    req_indices: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                    req_indices: torch.Tensor, scale: float, out: torch.Tensor,
+                    window: int | None = None) -> None:
     """Attention of the listed requests' query rows over their paged K/V, written into `out`.
 
     query/out [T, H, D] (channel dim dense), kv_cache [2, num_blocks, block_size, KVH, D]
     contiguous and of query's dtype, block_table [R, max_blocks] int32, seq_lens [R] int64,
-    query_start_loc [R + 1] int64, req_indices [n] int64. Needs
-    `cpu_paged_attention_available()`."""
+    query_start_loc [R + 1] int64, req_indices [n] int64, window: a sliding window (None:
+    none). Needs `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
-                                            query_start_loc, req_indices, scale, out)
+                                            query_start_loc, req_indices, scale, out,
+                                            _window_arg(window))
 
 
 def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, req_indices: torch.Tensor, scale: float,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, window: int | None = None) -> None:
     """Write key/value rows 0..len(slot_mapping)-1 into the cache by slot, then
     `paged_attention`. query/out [T, H * D], key/value [T, KVH * D] (row-strided is fine),
     all of kv_cache's dtype; slot_mapping int64. Needs `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
                                              block_table, seq_lens, query_start_loc,
-                                             req_indices, scale, out)
+                                             req_indices, scale, out, _window_arg(window))
 
 
 def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
                               block_table: torch.Tensor, seq_lens: torch.Tensor,
                               query_start_loc: torch.Tensor, req_indices: torch.Tensor,
-                              scale: float, out: torch.Tensor) -> None:
-    """The kernel's contract in plain torch (one request at a time, float32 math)."""
+                              scale: float, out: torch.Tensor,
+                              window: int | None = None) -> None:
+    """The kernel's contract in plain torch (one request at a time, float32 math): query row
+    i of a request with `context` cached tokens sits at position p = context + i and sees the
+    keys at positions j <= p, and with a sliding window W only those with j > p - W."""
+    window = _window_arg(window)
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = query.shape[1] // kv_heads
     for r in req_indices.tolist():
@@ -69,15 +84,21 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
         if query_len == 0:
             continue
         context = seq_len - query_len
-        positions = torch.arange(seq_len)
+        # Keys before the first row's window are visible to no row: never read (like the
+        # kernel, which skips their blocks).
+        first = max(0, context - window + 1) if window else 0
+        positions = torch.arange(first, seq_len)
         blocks = block_table[r].long()[positions // block_size]
         keys = kv_cache[0, blocks, positions % block_size].float()  # [S, KVH, D]
         values = kv_cache[1, blocks, positions % block_size].float()
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         values = values.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[start:end].float().transpose(0, 1)  # [H, ql, D]
-        scores = q @ keys.transpose(1, 2) * scale  # [H, ql, S]
-        visible = positions.unsqueeze(0) <= (torch.arange(query_len) + context).unsqueeze(1)
+        scores = q @ keys.transpose(1, 2) * scale  # [H, ql, S - first]
+        rows = (torch.arange(query_len) + context).unsqueeze(1)
+        visible = positions.unsqueeze(0) <= rows
+        if window:
+            visible &= positions.unsqueeze(0) > rows - window
         scores = scores.masked_fill(~visible, float("-inf"))
         result = scores.softmax(dim=-1) @ values  # [H, ql, D]
         out[start:end] = result.transpose(0, 1).to(out.dtype)

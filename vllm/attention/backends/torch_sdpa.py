@@ -16,6 +16,11 @@ Plain-torch strategy (the op is opaque to Dynamo, so host-side lists may steer i
 - other requests run one SDPA call each: a fresh prompt (no cached context) attends to its
   own K/V with `is_causal`; a chunk with cached context reads the cache with an offset mask
   (query i at absolute position context_len + i sees cache positions <= context_len + i).
+
+Sliding window (the layer's `sliding_window` W, as transformers masks it): the query at
+position p sees only keys p - W < j <= p. Both paths apply it; the torch path then gathers only
+the blocks that hold some visible key (decode rows read each request's table from the block
+of its window's start), so long contexts read no more than the window's blocks.
 """
 from __future__ import annotations
 
@@ -112,8 +117,8 @@ def _tensor(values: list, dtype: type, device: torch.device | str | None) -> tor
 @dataclass
 class _DecodePlan:
     token_index: torch.Tensor | slice  # rows of q/output holding the decode tokens
-    block_table: torch.Tensor  # [B, max_blocks] int64
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+    block_table: torch.Tensor  # [B, blocks] int64: the blocks each decode row reads
+    mask: torch.Tensor  # [B, 1, 1, blocks * block_size] bool
 
 
 @dataclass
@@ -122,7 +127,10 @@ class _Plan:
     others: list[tuple[int, int, int, int]]  # (request, start, query_len, seq_len), q_len > 1
 
 
-def _make_plan(md: TorchSDPAMetadata, block_size: int, device: torch.device) -> _Plan:
+def _make_plan(md: TorchSDPAMetadata, block_size: int, device: torch.device,
+               window: int | None = None) -> _Plan:
+    """Host-side plan of one batch for one (block size, sliding window); shared by the layers
+    with that window."""
     starts = [0]
     for q in md.query_lens_cpu:
         starts.append(starts[-1] + q)
@@ -145,12 +153,31 @@ def _make_plan(md: TorchSDPAMetadata, block_size: int, device: torch.device) -> 
             table = md.block_table[reqs, :num_blocks]
             lens = md.seq_lens[reqs]
         positions = torch.arange(num_blocks * block_size, device=device)
-        mask = (positions.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        if window is None:
+            mask = (positions.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        else:
+            # Row b (position lens[b] - 1) sees positions lens[b] - window .. lens[b] - 1: read
+            # its table from the block of the first one, as many blocks as the widest needs.
+            first = [max(0, md.seq_lens_cpu[i] - window) for i in decodes]
+            first_block = [f // block_size for f in first]
+            width = max(-(-md.seq_lens_cpu[i] // block_size) - b
+                        for i, b in zip(decodes, first_block))
+            # Columns past a row's last block are clamped into the table (masked anyway).
+            columns = (torch.tensor(first_block, dtype=torch.int64, device=device).unsqueeze(1)
+                       + torch.arange(width, device=device)).clamp_(max=table.shape[1] - 1)
+            table = table.gather(1, columns.to(table.device))
+            positions = (columns[:, :1] * block_size
+                         + torch.arange(width * block_size, device=device))
+            low = torch.tensor(first, dtype=torch.int64, device=device).unsqueeze(1)
+            mask = ((positions >= low) & (positions < lens.unsqueeze(1))).view(
+                len(decodes), 1, 1, -1)
         decode = _DecodePlan(token_index, table.to(torch.int64), mask)
     return _Plan(decode, others)
 
 
 class TorchSDPAImpl(AttentionImpl):
+    """`sliding_window` (AttentionImpl): W or None, applied on both the kernel and the torch
+    path."""
 
     @classmethod
     def fused_output_quant_supported(cls, quant_dtype: torch.dtype, static: bool,
@@ -189,7 +216,8 @@ class TorchSDPAImpl(AttentionImpl):
             result = output if output_scale is None else torch.empty_like(query)
             cpu_paged_kernel.write_and_attend(query, key, value, kv_cache, slots,
                                               md.block_table, md.seq_lens, md.query_start_loc,
-                                              requests, self.scale, result)
+                                              requests, self.scale, result,
+                                              window=self.sliding_window)
             if md.num_actual_tokens < num_tokens:
                 result[md.num_actual_tokens:].zero_()
             if output_scale is not None:
@@ -208,9 +236,11 @@ class TorchSDPAImpl(AttentionImpl):
         if md.num_actual_tokens < num_tokens:
             out[md.num_actual_tokens:].zero_()
 
-        plan = md._plans.get(block_size)
+        window = self.sliding_window
+        plan = md._plans.get((block_size, window))
         if plan is None:
-            plan = md._plans[block_size] = _make_plan(md, block_size, query.device)
+            plan = md._plans[(block_size, window)] = _make_plan(md, block_size, query.device,
+                                                                window)
         gqa = heads != kv_heads
         if plan.decode is not None:
             self._decode(q, out, kv_cache, plan.decode, gqa)
@@ -238,17 +268,30 @@ class TorchSDPAImpl(AttentionImpl):
         end = start + query_len
         queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, ql, hd]
         context_len = seq_len - query_len
-        if context_len == 0:
+        window = self.sliding_window
+        if window is not None and window >= seq_len:
+            window = None  # every row's window covers all of its causal context
+        if context_len == 0 and window is None:
             keys, values = k[start:end], v[start:end]
             mask, causal = None, True
         else:
-            num_blocks = -(-seq_len // kv_cache.shape[2])
-            blocks = md.block_table[req, :num_blocks].to(torch.int64)
-            gathered = _gather_blocks(kv_cache, blocks).view(
-                2, -1, self.num_kv_heads, self.head_size)[:, :seq_len]
-            keys, values = gathered[0], gathered[1]
             rows = torch.arange(query_len, device=q.device).unsqueeze(1) + context_len
-            mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= rows
+            # The first block holding a key of the first row's window (0 without a window).
+            block_size = kv_cache.shape[2]
+            first_block = 0 if window is None else max(0, context_len - window + 1) // block_size
+            key0 = first_block * block_size  # position of the first key read
+            if context_len == 0:
+                keys, values = k[start:end], v[start:end]
+            else:
+                num_blocks = -(-seq_len // block_size)
+                blocks = md.block_table[req, first_block:num_blocks].to(torch.int64)
+                gathered = _gather_blocks(kv_cache, blocks).view(
+                    2, -1, self.num_kv_heads, self.head_size)[:, :seq_len - key0]
+                keys, values = gathered[0], gathered[1]
+            positions = torch.arange(key0, seq_len, device=q.device).unsqueeze(0)
+            mask = positions <= rows
+            if window is not None:
+                mask &= positions > rows - window
             causal = False
         result = F.scaled_dot_product_attention(
             queries, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
@@ -273,6 +316,7 @@ def _gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor
 class TorchSDPABackend(AttentionBackend):
     accept_output_buffer = True
     cudagraph_support = AttentionCGSupport.NEVER
+    supports_sliding_window = True
 
     @staticmethod
     def get_name() -> str:

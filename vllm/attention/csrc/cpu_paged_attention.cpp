@@ -1,10 +1,12 @@
 // Paged attention on the CPU that reads the KV cache in place (no gather, no padding).
 //
 //   torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
-//                                           query_start_loc, req_indices, scale, out)
+//                                           query_start_loc, req_indices, scale, out,
+//                                           window=0)
 //   torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
 //                                            block_table, seq_lens, query_start_loc,
-//                                            req_indices, scale, out)   (2-D q/k/v/out)
+//                                            req_indices, scale, out, window=0)
+//                                            (2-D q/k/v/out)
 //
 // query  [T, H, D]   (rows may be strided; the head and channel dims must be dense)
 // kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, same dtype as query
@@ -13,10 +15,13 @@
 // out    [T, H, D]   written for the rows of the listed requests
 //
 // Request r owns query rows query_start_loc[r] .. query_start_loc[r+1]; its context is
-// seq_len - query_len cached tokens, and its query row i (absolute position context + i)
-// attends to cache positions 0 .. context + i. The new tokens' K/V must already be in the
-// cache. Only blocks holding visible positions are read, so the padding entries of a
-// block-table row (dummy block 0) are never touched.
+// seq_len - query_len cached tokens, and its query row i (absolute position p = context + i)
+// attends to cache positions 0 .. p, or with a sliding window W > 0 to the W positions
+// p - W + 1 .. p (transformers' sliding-window causal mask: key j is visible when
+// p - W < j <= p). The new tokens' K/V must already be in the cache. Only blocks holding
+// positions visible to some row of a work item are read: the padding entries of a block-table
+// row (dummy block 0) are never touched, and with a window the blocks before every row's
+// window are skipped, so a long context costs no more than its last W positions.
 //
 // Work items are (request, chunk of up to kRowChunk query rows, group of KV heads): the
 // G = H / KVH query heads that share a KV head are computed together, so each K/V row is read
@@ -105,10 +110,10 @@ struct Item {
 // Per-thread scratch, sized for one work item.
 struct Scratch {
   std::vector<float> q, acc, kt, v, probs, m, l, kbuf, vbuf;
-  std::vector<int64_t> limit;
+  std::vector<int64_t> first, limit;  // each row's first and last visible position
   Scratch(int64_t rows, int64_t D, int64_t block_elems)
       : q(rows * D), acc(rows * D), kt(D * kKeys), v(kKeys * D), probs(rows * kKeys), m(rows),
-        l(rows), kbuf(block_elems), vbuf(block_elems), limit(rows) {}
+        l(rows), kbuf(block_elems), vbuf(block_elems), first(rows), limit(rows) {}
 };
 
 // 16 float lanes widened from T (float: a plain load).
@@ -224,15 +229,19 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
   const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
   for (int64_t row = r0; row < r0 + n_rows; ++row) {
     float* p = s.probs.data() + row * kKeys;
+    // Lanes [lo, visible) hold this row's visible keys (lo > 0 only at its window's start).
     const int64_t visible = std::min<int64_t>(nk, s.limit[row] - pos0 + 1);
-    if (visible <= 0) {
+    const int64_t lo = std::max<int64_t>(0, s.first[row] - pos0);
+    if (visible <= lo) {
       store_u(p, splat(0.0f));
       continue;
     }
     const float* q = s.q.data() + row * D;
     vf score = dense ? scores_dense(q, D, kf, kf_stride, static_cast<int>(visible))
                      : scores_transposed(q, D, s.kt.data());
-    score = lane < static_cast<int32_t>(visible) ? score : neg_inf;
+    score = (lane < static_cast<int32_t>(visible)) & (lane >= static_cast<int32_t>(lo))
+                ? score
+                : neg_inf;
     const float new_max = std::max(s.m[row], hmax(score));
     const float alpha = std::exp(s.m[row] - new_max);  // 0 on the first chunk
     const vf e = exp_nonpositive(score - new_max);
@@ -280,7 +289,7 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-         const at::Tensor& req_indices, double scale_d, at::Tensor& out) {
+         const at::Tensor& req_indices, double scale_d, int64_t window, at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   const int64_t G = H / KVH;
@@ -292,6 +301,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t bt_row = block_table.stride(0);
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));  // one head's K (or V) row
   const float scale = static_cast<float>(scale_d);
+  // Keys a query row at position p may see start at first_visible(p); window <= 0: all.
+  const auto first_visible = [window](int64_t p) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+  };
 
   const T* q_ptr = query.data_ptr<T>();
   const T* cache = kv_cache.data_ptr<T>();
@@ -327,9 +340,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       const int64_t keys = ctx + row1;
       TORCH_CHECK((keys + BS - 1) / BS <= block_table.size(1), "request ", r, " needs ",
                   (keys + BS - 1) / BS, " blocks; the block table has ", block_table.size(1));
+      const int64_t read = keys - first_visible(ctx + row0);  // positions the item reads
       for (int64_t g0 = 0; g0 < KVH; g0 += group_size) {
         const int64_t g1 = std::min(KVH, g0 + group_size);
-        items.push_back({r, g0, g1, row0, row1, keys * (row1 - row0) * (g1 - g0)});
+        items.push_back({r, g0, g1, row0, row1, read * (row1 - row0) * (g1 - g0)});
       }
     }
   }
@@ -358,6 +372,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
               float* dst = s.q.data() + row * D;
               for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
               s.limit[row] = ctx + it.row0 + t;  // last visible position
+              s.first[row] = first_visible(s.limit[row]);
               s.m[row] = -std::numeric_limits<float>::infinity();
               s.l[row] = 0.0f;
             }
@@ -366,6 +381,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         const int64_t n_rows = head_rows * (it.head1 - it.head0);
         std::fill(s.acc.begin(), s.acc.begin() + n_rows * D, 0.0f);
         const int64_t n_keys = ctx + it.row1;
+        // The item's first row has the earliest window: positions before it are read by no row.
+        const int64_t key0 = first_visible(ctx + it.row0);
         const int32_t* blocks = table + it.req * bt_row;
         // Each block's K and V rows of the group's heads are first copied (widened) into float
         // buffers in memory order, which streams them at the memory's speed; the next block
@@ -373,17 +390,18 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // sums then read the buffers from L1/L2.
         const int64_t width = (it.head1 - it.head0) * D;  // the group's part of a position
         const T* group_base = cache + it.head0 * D;
-        for (int64_t b = 0; b * BS < n_keys; ++b) {
+        for (int64_t b = key0 / BS; b * BS < n_keys; ++b) {
           const int64_t block = blocks[b];
           TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
           const int64_t in_block = std::min(BS, n_keys - b * BS);
+          const int64_t j_first = std::max<int64_t>(0, key0 - b * BS);  // within this block
           const T* k_src = group_base + block * c_blk;
           const T* next = nullptr;
           if ((b + 1) * BS < n_keys) {
             const int64_t nb = blocks[b + 1];
             if (nb >= 0 && nb < num_blocks) next = group_base + nb * c_blk;
           }
-          for (int64_t j = 0; j < in_block; ++j) {
+          for (int64_t j = j_first; j < in_block; ++j) {
             widen(k_src + j * c_pos, s.kbuf.data() + j * width, width);
             widen(k_src + c_kv + j * c_pos, s.vbuf.data() + j * width, width);
             if (next != nullptr) {
@@ -397,7 +415,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
           for (int64_t g = it.head0; g < it.head1; ++g) {
             const float* kg = s.kbuf.data() + (g - it.head0) * D;
             const float* vg = s.vbuf.data() + (g - it.head0) * D;
-            for (int64_t j0 = 0; j0 < in_block; j0 += kKeys) {
+            for (int64_t j0 = j_first; j0 < in_block; j0 += kKeys) {
               const int nk = static_cast<int>(std::min<int64_t>(kKeys, in_block - j0));
               fold_keys<float>(s, (g - it.head0) * head_rows, head_rows, D, kg + j0 * width,
                                vg + j0 * width, width, b * BS + j0, nk);
@@ -424,7 +442,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& req_indices,
-                     double scale, at::Tensor out) {
+                     double scale, at::Tensor out, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
@@ -446,15 +464,15 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   switch (query.scalar_type()) {
     case at::kFloat:
       run<float>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices, scale,
-                 out);
+                 window, out);
       break;
     case at::kBFloat16:
       run<c10::BFloat16>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
-                         scale, out);
+                         scale, window, out);
       break;
     case at::kHalf:
       run<c10::Half>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
-                     scale, out);
+                     scale, window, out);
       break;
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
@@ -469,7 +487,7 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
                       at::Tensor kv_cache, const at::Tensor& slot_mapping,
                       const at::Tensor& block_table, const at::Tensor& seq_lens,
                       const at::Tensor& query_start_loc, const at::Tensor& req_indices,
-                      double scale, at::Tensor out) {
+                      double scale, at::Tensor out, int64_t window) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
   const int64_t D = kv_cache.size(4), KVH = kv_cache.size(3);
@@ -504,7 +522,7 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   }
   paged_attention(query.as_strided({T, H, D}, {query.stride(0), D, 1}), kv_cache, block_table,
                   seq_lens, query_start_loc, req_indices, scale,
-                  out.as_strided({T, H, D}, {out.stride(0), D, 1}));
+                  out.as_strided({T, H, D}, {out.stride(0), D, 1}), window);
 }
 
 }  // namespace
@@ -512,11 +530,12 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
 TORCH_LIBRARY(vllm_cpu_attn, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, Tensor req_indices, float scale, Tensor(a!) out) -> ()");
+      "Tensor query_start_loc, Tensor req_indices, float scale, Tensor(a!) out, "
+      "int window=0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def(
       "write_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
-      "Tensor req_indices, float scale, Tensor(b!) out) -> ()");
+      "Tensor req_indices, float scale, Tensor(b!) out, int window=0) -> ()");
   m.impl("write_and_attend", c10::DispatchKey::CPU, &write_and_attend);
 }
