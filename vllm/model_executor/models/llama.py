@@ -6,7 +6,13 @@ Interface of every `*ForCausalLM` here:
   load_weights(iterable of (checkpoint name, tensor)) -> set of loaded parameter keys
   attention_layers: {layer_name: Attention}
 Subclasses change parts through hooks: `LlamaAttention._qk_norm`, `LlamaDecoderLayer`'s
-`_init_mlp` / `_mlp`, and the class attributes `model_cls` / `layer_cls` / `attention_cls`.
+`_init_mlp` / `_mlp` / `layer_sliding_window`, and the class attributes `model_cls` /
+`layer_cls` / `attention_cls`.
+
+Sliding-window attention follows transformers: Mistral-style configs (Llama, Mistral, Mixtral)
+give every layer `config.sliding_window` when it is set; Qwen2/Qwen3 configs only when
+`use_sliding_window` is true, and then only the layers `config.layer_types` marks
+"sliding_attention" (derived from `max_window_layers` when absent).
 """
 from collections.abc import Iterable
 from typing import Any
@@ -14,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from vllm.attention.backends.abstract import check_sliding_window
 from vllm.attention.layer import Attention, collect_attention_layers
 from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_tensor_model_parallel_world_size
@@ -48,6 +55,38 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def config_sliding_window(config: Any) -> int | None:
+    """`config.sliding_window` checked: a positive int or None (ValueError naming it)."""
+    return check_sliding_window(getattr(config, "sliding_window", None),
+                                "the model config's sliding_window")
+
+
+def layer_types_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The window of layer `layer_idx` for configs with per-layer attention types (Qwen2,
+    Qwen3), as transformers picks it: none unless `use_sliding_window`; then
+    `config.sliding_window` on the layers `layer_types` marks "sliding_attention" (when
+    `layer_types` is absent: the layers from `max_window_layers` on)."""
+    if not getattr(config, "use_sliding_window", False):
+        return None
+    window = config_sliding_window(config)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        first_sliding = getattr(config, "max_window_layers", 28)  # transformers' default
+        return window if layer_idx >= first_sliding else None
+    if len(layer_types) != config.num_hidden_layers:
+        raise ValueError(f"the model config's layer_types has {len(layer_types)} entries for "
+                         f"num_hidden_layers={config.num_hidden_layers}")
+    kind = layer_types[layer_idx]
+    if kind == "sliding_attention":
+        return window
+    if kind == "full_attention":
+        return None
+    raise ValueError(f"the model config's layer_types[{layer_idx}] is {kind!r}; supported: "
+                     "'full_attention', 'sliding_attention'")
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str,
                  bias: bool = False, quant_config: Any = None, prefix: str = "") -> None:
@@ -67,7 +106,7 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, qkv_bias: bool = False,
                  o_bias: bool = False, cache_config: Any = None, quant_config: Any = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", sliding_window: int | None = None) -> None:
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         hidden_size = config.hidden_size
@@ -90,7 +129,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.scaling,
                               num_kv_heads=self.num_kv_heads, cache_config=cache_config,
-                              quant_config=quant_config, prefix=maybe_prefix(prefix, "attn"))
+                              quant_config=quant_config, prefix=maybe_prefix(prefix, "attn"),
+                              sliding_window=sliding_window)
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
@@ -112,13 +152,22 @@ class LlamaDecoderLayer(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
+    @staticmethod
+    def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+        """This layer's sliding window: Mistral-style, `config.sliding_window` on every layer
+        (transformers' Llama, Mistral and Mixtral)."""
+        del layer_idx
+        return config_sliding_window(config)
+
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, cache_config: Any = None,
-                 quant_config: Any = None, prefix: str = "") -> None:
+                 quant_config: Any = None, prefix: str = "",
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(config)
         self.self_attn = self.attention_cls(config, rotary_emb, qkv_bias=qkv_bias, o_bias=o_bias,
                                             cache_config=cache_config, quant_config=quant_config,
-                                            prefix=maybe_prefix(prefix, "self_attn"))
+                                            prefix=maybe_prefix(prefix, "self_attn"),
+                                            sliding_window=sliding_window)
         self._init_mlp(config, quant_config, prefix)
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
@@ -169,7 +218,8 @@ class LlamaModel(nn.Module):
                               theta, scaling)
         self.layers = nn.ModuleList(
             layer_type(config, rotary_emb, cache_config=cache_config, quant_config=quant_config,
-                       prefix=maybe_prefix(prefix, f"layers.{i}"))
+                       prefix=maybe_prefix(prefix, f"layers.{i}"),
+                       sliding_window=layer_type.layer_sliding_window(config, i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
 
@@ -198,7 +248,6 @@ class LlamaForCausalLM(nn.Module):
         config = vllm_config.model_config.text_config
         self.config = config
         self.vllm_config = vllm_config
-        self._warn_unsupported(config, vllm_config)
         self.model = self.model_cls(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                     layer_type=self.layer_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
@@ -207,17 +256,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.attention_layers = collect_attention_layers(self)
-
-    @staticmethod
-    def _warn_unsupported(config: Any, vllm_config: Any) -> None:
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True):
-            max_len = vllm_config.model_config.max_model_len
-            if max_len > window:
-                logger.warning_once(
-                    "sliding_window=%s is not implemented: attention sees the full context, so "
-                    "sequences longer than the window differ from the reference model "
-                    "(max_model_len=%s).", window, max_len)
+        windows = sorted({layer.sliding_window for layer in self.attention_layers.values()
+                          if layer.sliding_window is not None})
+        if windows:
+            sliding = sum(layer.sliding_window is not None
+                          for layer in self.attention_layers.values())
+            logger.info("Sliding-window attention: window %s on %d of %d layers",
+                        "/".join(map(str, windows)), sliding, len(self.attention_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

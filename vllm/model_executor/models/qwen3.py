@@ -1,11 +1,17 @@
 """Qwen3: the Llama architecture with an RMSNorm over each query and key head before RoPE
-(`q_norm`, `k_norm`, weights of size head_dim) and no q/k/v bias by default."""
+(`q_norm`, `k_norm`, weights of size head_dim) and no q/k/v bias by default; sliding
+windows per layer as Qwen2 (`use_sliding_window`, `layer_types`)."""
 from typing import Any
 
 import torch
 
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    layer_types_sliding_window,
+)
 
 
 class Qwen3Attention(LlamaAttention):
@@ -24,6 +30,8 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention
+    # The window only with use_sliding_window, on the layers layer_types marks sliding.
+    layer_sliding_window = staticmethod(layer_types_sliding_window)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
