@@ -17,7 +17,11 @@ import torch
 
 from vllm.attention.backends import cpu_paged_kernel
 from vllm.attention.backends.abstract import check_sliding_window
-from vllm.attention.backends.torch_sdpa import TorchSDPAImpl, TorchSDPAMetadataBuilder
+from vllm.attention.backends.torch_sdpa import (
+    TorchSDPABackend,
+    TorchSDPAImpl,
+    TorchSDPAMetadataBuilder,
+)
 
 KERNEL = cpu_paged_kernel.cpu_paged_attention_available()
 needs_kernel = pytest.mark.skipif(not KERNEL,
@@ -199,10 +203,12 @@ class _Layer:
     layer_name = "model.layers.0.self_attn.attn"
 
 
-def run_impl(dtype, window, heads, kv_heads, head_size, block_size, other_window=None):
+def run_impl(dtype, window, heads, kv_heads, head_size, block_size, other_window=None,
+             device="cpu"):
     """One mixed batch through TorchSDPAImpl (the new tokens' K/V written by the impl, three
     padding lanes), then a second layer with `other_window` on the same metadata (its own
-    cache); returns [output [T, H, D] without padding, dense reference] for each."""
+    cache); returns [output [T, H, D] without padding (on the CPU), dense reference] for
+    each. On a device other than the CPU the plain-torch path runs."""
     md, results = None, []
     for w in (window, other_window):
         query, kvs, cache, table, seq_lens, starts = make_paged(
@@ -220,16 +226,18 @@ def run_impl(dtype, window, heads, kv_heads, head_size, block_size, other_window
                       for r, (c, q) in enumerate(REQUESTS)]
             md = TorchSDPAMetadataBuilder().build([q for _, q in REQUESTS],
                                                   [c + q for c, q in REQUESTS], tables, slots,
-                                                  num_padded_tokens=num_tokens)
+                                                  num_padded_tokens=num_tokens, device=device)
         pad = torch.zeros(num_padding, kv_heads * head_size, dtype=dtype)
         q2d = torch.cat([query.reshape(len(slots), -1),
                          torch.zeros(num_padding, heads * head_size, dtype=dtype)])
         k2d = torch.cat([torch.stack(key).reshape(len(slots), -1), pad])
         v2d = torch.cat([torch.stack(value).reshape(len(slots), -1), pad])
         scale = 1 / math.sqrt(head_size)
+        q2d, k2d, v2d, cache = (t.to(device) for t in (q2d, k2d, v2d, cache))
         impl = TorchSDPAImpl(heads, head_size, scale, kv_heads, sliding_window=w)
         output = torch.full_like(q2d, 5.0)
         impl.forward(_Layer(), q2d, k2d, v2d, cache, md, output)
+        output = output.cpu()
         assert (output[len(slots):] == 0).all()  # padding lanes
         results += [output[:len(slots)].view(query.shape),
                     dense_attention(query, kvs, REQUESTS, scale, w)]
@@ -263,3 +271,55 @@ def test_torch_path_env_switch(monkeypatch):
     assert not cpu_paged_kernel.cpu_paged_attention_available()
     ours, dense, _, _ = run_impl(torch.float32, 7, 6, 2, 16, 4, other_window=3)
     torch.testing.assert_close(ours.double(), dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_on_cuda(dtype):
+    ours, dense, full, dense_full = run_impl(dtype, 5, 6, 2, 16, 4, other_window=None,
+                                             device="cuda")
+    tol = tolerance(dtype)
+    torch.testing.assert_close(ours.double(), dense, atol=tol, rtol=tol)
+    torch.testing.assert_close(full.double(), dense_full, atol=tol, rtol=tol)
+
+
+# --- the layer and the selector: a window never goes to a backend that would ignore it -----
+
+class _NoWindowBackend(TorchSDPABackend):
+    supports_sliding_window = False
+
+    @staticmethod
+    def get_name() -> str:
+        return "NO_WINDOW"
+
+
+def test_layer_and_selector_refuse_backends_without_window_support(monkeypatch):
+    from vllm.attention import selector
+    from vllm.attention.layer import Attention
+
+    layer = Attention(4, 16, 0.25, num_kv_heads=2, prefix="model.layers.0.self_attn.attn",
+                      sliding_window=8)
+    assert layer.sliding_window == layer.impl.sliding_window == 8
+    assert "sliding_window=8" in repr(layer)
+    with pytest.raises(ValueError, match="NO_WINDOW does not support sliding-window"):
+        Attention(4, 16, 0.25, num_kv_heads=2, prefix="model.layers.1.self_attn.attn",
+                  sliding_window=8, attn_backend=_NoWindowBackend)
+    assert Attention(4, 16, 0.25, prefix="model.layers.2.self_attn.attn",
+                     attn_backend=_NoWindowBackend).impl.sliding_window is None
+    with pytest.raises(ValueError, match=r"sliding_window of 'model.layers.3.self_attn.attn'"
+                                         r".*got -2"):
+        Attention(4, 16, 0.25, prefix="model.layers.3.self_attn.attn", sliding_window=-2)
+
+    monkeypatch.setitem(selector._BACKENDS, "NO_WINDOW", (__name__, "_NoWindowBackend"))
+    assert selector.get_attn_backend(16, backend_name="no_window") is _NoWindowBackend
+    with pytest.raises(ValueError, match="NO_WINDOW does not support sliding-window"):
+        selector.get_attn_backend(16, backend_name="no_window", sliding_window=8)
+    # A default choice that cannot apply the window falls back to TORCH_SDPA (logged).
+    monkeypatch.setattr(selector, "_DEFAULT", "NO_WINDOW")
+    assert selector.get_attn_backend(16) is _NoWindowBackend
+    logged = []
+    monkeypatch.setattr(selector.logger, "info_once", lambda msg, *a: logged.append(msg % a))
+    assert selector.get_attn_backend(16, sliding_window=8) is TorchSDPABackend
+    assert logged == ["attention backend NO_WINDOW does not support sliding-window attention: "
+                      "layers with a window use TORCH_SDPA"]

@@ -24,7 +24,9 @@ def registered_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-# The backend every platform can run, and that implements every feature (sliding windows).
+# The default choice, and the backend every platform can run that implements every feature
+# (sliding windows).
+_DEFAULT = "TORCH_SDPA"
 _FALLBACK = "TORCH_SDPA"
 
 
@@ -45,7 +47,7 @@ def get_attn_backend(head_size: int, dtype: torch.dtype | None = None,
     A layer with a `sliding_window` never gets a backend that would ignore it: a default choice
     that cannot apply it falls back to TORCH_SDPA (logged); a named one is an error."""
     del dtype, kv_cache_dtype, block_size
-    name = (backend_name or _FALLBACK).upper()
+    name = (backend_name or _DEFAULT).upper()
     backend = _load(name)
     if sliding_window is not None and not backend.supports_sliding_window:
         if backend_name is not None:

@@ -152,8 +152,8 @@ def _make_plan(md: TorchSDPAMetadata, block_size: int, device: torch.device,
             reqs = torch.tensor(decodes, dtype=torch.int64, device=device)
             table = md.block_table[reqs, :num_blocks]
             lens = md.seq_lens[reqs]
-        positions = torch.arange(num_blocks * block_size, device=device)
         if window is None:
+            positions = torch.arange(num_blocks * block_size, device=device)
             mask = (positions.unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
         else:
             # Row b (position lens[b] - 1) sees positions lens[b] - window .. lens[b] - 1: read
@@ -165,7 +165,7 @@ def _make_plan(md: TorchSDPAMetadata, block_size: int, device: torch.device,
             # Columns past a row's last block are clamped into the table (masked anyway).
             columns = (torch.tensor(first_block, dtype=torch.int64, device=device).unsqueeze(1)
                        + torch.arange(width, device=device)).clamp_(max=table.shape[1] - 1)
-            table = table.gather(1, columns.to(table.device))
+            table = table.gather(1, columns)
             positions = (columns[:, :1] * block_size
                          + torch.arange(width * block_size, device=device))
             low = torch.tensor(first, dtype=torch.int64, device=device).unsqueeze(1)
