@@ -75,6 +75,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     t0 = time.time()
     llm = LLM(model=args.path, optimization_level=args.level, dtype=args.dtype,
@@ -103,27 +104,35 @@ def worker(args) -> None:
         return [{"prompt_token_ids": [(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(m)]}
                 for i, m in enumerate(lengths)]
 
-    def run(batch: int, n: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        engine.reset_prefix_cache()  # time the prefill too, not cache hits
-        begin = time.perf_counter()
-        llm.generate(prompts_of(batch), params, use_tqdm=False)
-        return time.perf_counter() - begin
+    requests = iter(range(1 << 30))
 
-    run(1, 2)
-    run(16, 2)  # warm-up (compiles nothing new: the engine compiled at start-up)
+    def decode(batch: int, n: int) -> float:
+        """Output tokens/s of `batch` requests after their prefill: the steps that follow the
+        one that gave every request its first token, each one token per request."""
+        # FINAL_ONLY, as LLM.generate asks: no per-step RequestOutputs.
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.reset_prefix_cache()  # the same prefill work every time, not cache hits
+        ids = [f"bench-{next(requests)}" for _ in range(batch)]
+        for request_id, prompt in zip(ids, prompts_of(batch)):
+            engine.add_request(request_id, prompt, params)
+        scheduled = engine.scheduler.requests
+        while any(scheduled[r].num_output_tokens == 0 for r in ids):
+            engine.step()
+        begin = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return batch * (n - 1) / (time.perf_counter() - begin)
+
     for line in sys.stdin:
         command, *rest = line.split()
         if command == "quit":
             break
-        n = int(rest[0])
-        if command == "b1":
-            # (n - 1) tokens in the time an n-token request takes beyond a 1-token one.
-            one, full = run(1, 1), run(1, n)
-            answer = {"tok_s": (n - 1) / max(full - one, 1e-9)}
-        else:
-            answer = {"tok_s": 16 * n / run(16, n)}
-        print(_RESULT + json.dumps(answer), flush=True)
+        batch = {"b1": 1, "b16": 16}[command]
+        # The process sat idle while the other levels ran: bring its weights back into the
+        # caches and its threads out of sleep before the timed run.
+        decode(batch, 4)
+        print(_RESULT + json.dumps({"tok_s": decode(batch, int(rest[0]))}), flush=True)
 
 
 class Worker:
@@ -300,7 +309,9 @@ def main() -> None:
              f"compile caches, warm = median of {args.warm_runs} starts on the cold run's "
              "caches. +prepack: how long after ready the CPU -O2/-O3 weight prepacking "
              "(background) was done, median of the warm starts; decode is measured after it. "
-             "Decode: the last warm process of every level stays up and they take turns, "
+             "Decode: output tokens/s of the engine steps after the prefill (prompts of 32 "
+             "tokens at batch 1, 16..128 at batch 16). The last warm process of every level "
+             "stays up and they take turns, "
              f"{args.repeats} rounds (each level once a round); tok/s are medians over the "
              "rounds, and the ratios against -O0 are the medians of the per-round ratios (the "
              "machine's bandwidth drifts between rounds, not within one). Roofline: per "
