@@ -49,7 +49,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt and its completions (cumulative, not deltas).
+    """The state of one request: its prompt and its completions (cumulative; with
+    `SamplingParams.output_kind=DELTA`, only what the step added).
 
     prompt_logprobs: None unless asked; otherwise one entry per prompt token, None for the
     first (nothing predicts it), then {token_id: Logprob} with the actual token and the top-k.
