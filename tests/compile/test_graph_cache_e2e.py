@@ -22,15 +22,14 @@ import pytest
 
 try:
     from tests.compile.cache_logs import cache_dir_in, child_env, same_key_or_skip
-    from tests.model_executor.hf_checkpoints import make_llama, make_qwen3
+    from tests.model_executor.hf_checkpoints import lazy_checkpoints
 except ImportError:  # tests/ itself on sys.path
     from compile.cache_logs import cache_dir_in, child_env, same_key_or_skip
-    from model_executor.hf_checkpoints import make_llama, make_qwen3
+    from model_executor.hf_checkpoints import lazy_checkpoints
 
 from vllm.compilation.graph_cache import GRAPH_ENTRY
 
 NUM_PIECES = 3  # 2 attention layers: 3 compiled pieces
-MAKERS = {"llama": make_llama, "qwen3": make_qwen3}
 
 CHILD = textwrap.dedent("""
     import json, sys
@@ -65,15 +64,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("graph_cache")
-    made: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in made:
-            made[name] = MAKERS[name](root / name)
-        return made[name]
-
-    return get
+    return lazy_checkpoints(tmp_path_factory.mktemp("graph_cache"))
 
 
 def run(tmp_path, model: str, env: dict | None = None, **options) -> tuple[dict, str]:

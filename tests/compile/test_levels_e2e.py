@@ -19,9 +19,9 @@ import pytest
 import torch
 
 try:
-    from tests.model_executor.hf_checkpoints import make_llama, make_mixtral, make_qwen3
+    from tests.model_executor.hf_checkpoints import lazy_checkpoints
 except ImportError:  # tests/ itself on sys.path
-    from model_executor.hf_checkpoints import make_llama, make_mixtral, make_qwen3
+    from model_executor.hf_checkpoints import lazy_checkpoints
 
 from vllm import LLM, SamplingParams
 from vllm.compilation.counter import compilation_counter
@@ -29,7 +29,6 @@ from vllm.compilation.monitor import STANDARD_PHASES
 from vllm.config.vllm import ATTENTION_OPS
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
 
-MAKERS = {"llama": make_llama, "qwen3": make_qwen3, "mixtral": make_mixtral}
 NUM_LAYERS = 2  # the TINY checkpoints
 # Prompt lengths from 1 to 37 tokens and output lengths from 3 to 10: with a 24-token step
 # budget, prefill chunks, decodes and finished requests mix in every step.
@@ -42,15 +41,7 @@ ENGINE = {"max_model_len": 128, "max_num_batched_tokens": 24, "max_num_seqs": 8,
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("levels")
-    cache: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in cache:
-            cache[name] = MAKERS[name](root / name)
-        return cache[name]
-
-    return get
+    return lazy_checkpoints(tmp_path_factory.mktemp("levels"))
 
 
 @pytest.fixture(autouse=True)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 try:
-    from tests.model_executor.hf_checkpoints import MAKERS
+    from tests.model_executor.hf_checkpoints import MAKERS, lazy_checkpoints
 except ImportError:  # tests/ itself on sys.path (plain `pytest`)
-    from model_executor.hf_checkpoints import MAKERS
+    from model_executor.hf_checkpoints import MAKERS, lazy_checkpoints
 
 from vllm import LLM, SamplingParams
 
@@ -43,15 +43,7 @@ EXPECTED_WINDOWS = {"mistral": [WINDOW, WINDOW], "mixtral": [WINDOW, WINDOW],
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sliding")
-    made: dict[str, str] = {}
-
-    def get(arch: str) -> str:
-        if arch not in made:
-            made[arch] = MAKERS[arch](root / arch, **MODELS[arch])
-        return made[arch]
-
-    return get
+    return lazy_checkpoints(tmp_path_factory.mktemp("sliding"), MODELS)
 
 
 def prompts() -> list[list[int]]:

@@ -12,6 +12,7 @@ Keyword overrides go to the transformers config class. `tokenizer=False` skips t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,10 +99,6 @@ def make_mixtral(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
                  tokenizer)
 
 
-MAKERS = {"llama": make_llama, "qwen2": make_qwen2, "qwen3": make_qwen3,
-          "mixtral": make_mixtral}
-
-
 def make_tokenizer(path: Any, vocab_size: int = 384) -> str:
     """A byte-level BPE tokenizer trained on a few KB of text (every byte is encodable), with
     <pad>=0, <s>=1, </s>=2 and a tiny chat template, saved as a HF tokenizer folder."""
@@ -134,4 +131,19 @@ def make_mistral(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
                  tokenizer)
 
 
-MAKERS["mistral"] = make_mistral
+MAKERS = {"llama": make_llama, "qwen2": make_qwen2, "qwen3": make_qwen3,
+          "mixtral": make_mixtral, "mistral": make_mistral}
+
+
+def lazy_checkpoints(root: Any, overrides: dict[str, dict[str, Any]] | None = None
+                     ) -> Callable[[str], str]:
+    """For module-scoped fixtures: name -> the path of a `MAKERS[name]` checkpoint under
+    `root` (config overrides from `overrides[name]`), made on first use and then reused."""
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            made[name] = MAKERS[name](root / name, **(overrides or {}).get(name, {}))
+        return made[name]
+
+    return get
