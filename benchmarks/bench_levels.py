@@ -90,7 +90,9 @@ def worker(args) -> None:
     engine = llm.llm_engine
     cfg = engine.vllm_config.model_config
     model = engine.executor.model
-    if args.measure and model is not None:
+    on_cpu = model is not None and next(model.parameters()).device.type == "cpu"
+    result["device"] = "cpu" if model is None else str(next(model.parameters()).device)
+    if args.measure and on_cpu:  # the roofline is the CPU's read bandwidth
         size = torch.tensor([], dtype=cfg.torch_dtype).element_size()
         kv = 2 * cfg.get_num_layers() * cfg.get_num_kv_heads() * cfg.get_head_size() * size
         result["bytes_per_token"] = bytes_per_token(model, size, 32 + args.max_tokens // 2, kv)
@@ -202,18 +204,19 @@ def measure_levels(args, workers: dict[int, Worker]) -> dict[int, dict]:
     a round see the same machine (its bandwidth drifts from minute to minute) and the ratios
     against the base level are taken per round. Batch 1 is paired with the bandwidth measured
     right before and after it."""
-    bandwidth = Bandwidth()
     base = min(workers)
+    # The roofline (and so the bandwidth reading) is a CPU measure.
+    bandwidth = Bandwidth() if workers[base].result.get("bytes_per_token") else None
     rounds: dict[int, dict[str, list[float]]] = {
         level: {"b1": [], "b16": [], "gbs": [], "roofline": []} for level in workers}
     for kind in ("b1", "b16"):
         for _ in range(args.repeats):
             for level, w in workers.items():
                 time.sleep(0.05)  # the previous worker's OpenMP threads stop spinning
-                before = bandwidth.now() if kind == "b1" else None
+                before = bandwidth.now() if kind == "b1" and bandwidth else None
                 rate = w.ask(f"{kind} {args.max_tokens}")["tok_s"]
                 rounds[level][kind].append(rate)
-                if kind == "b1":
+                if kind == "b1" and bandwidth:
                     gbs = max(before, bandwidth.now())
                     rounds[level]["gbs"].append(gbs)
                     per_token = w.result.get("bytes_per_token")
@@ -224,7 +227,7 @@ def measure_levels(args, workers: dict[int, Worker]) -> dict[int, dict]:
         out[level] = {
             "decode_b1_tok_s": statistics.median(r["b1"]),
             "total_b16_tok_s": statistics.median(r["b16"]),
-            "bandwidth_gbs": statistics.median(r["gbs"]),
+            "bandwidth_gbs": statistics.median(r["gbs"]) if r["gbs"] else None,
             "b1_vs_base": statistics.median(a / b for a, b in zip(r["b1"], rounds[base]["b1"])),
             "b16_vs_base": statistics.median(a / b for a, b in
                                              zip(r["b16"], rounds[base]["b16"]))}
@@ -298,13 +301,15 @@ def main() -> None:
                    "cold_engine_s": cold["engine_startup_s"],
                    "warm_start_s": statistics.median(r["process_to_ready_s"] for r in warm),
                    "warm_engine_s": statistics.median(r["engine_startup_s"] for r in warm),
-                   "warm_runs": len(warm),
+                   "warm_runs": len(warm), "device": warm[-1].get("device", "cpu"),
                    "warm_prepacked_after_s": statistics.median(
                        r["prepacked_after_ready_s"] for r in warm),
                    **decode[level]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    lines = [f"{args.dtype}, {args.max_tokens} output tokens, {args.threads} threads. Start-up: "
+    devices = ", ".join(sorted({r["device"] for r in rows}))
+    lines = [f"Device: {devices}. {args.dtype}, {args.max_tokens} output tokens, {args.threads} "
+             "threads. Start-up: "
              "fresh process to ready (engine = config resolution to ready), cold = empty "
              f"compile caches, warm = median of {args.warm_runs} starts on the cold run's "
              "caches. +prepack: how long after ready the CPU -O2/-O3 weight prepacking "

@@ -23,6 +23,18 @@ def _fresh_platform(monkeypatch):
     reset_current_platform()
 
 
+@pytest.fixture(autouse=True)
+def _share_the_gpu(monkeypatch):
+    """On a CUDA machine the test workers share one GPU: an engine whose test gives no KV cache
+    size gets 1 GiB instead of gpu_memory_utilization of the whole device (which the other
+    workers' engines hold part of)."""
+    import torch
+
+    if torch.cuda.is_available():
+        monkeypatch.setattr("vllm.engine.worker.Worker._cuda_available_kv_bytes",
+                            lambda self: 1 << 30)
+
+
 @pytest.fixture
 def platform(monkeypatch, request):
     """Force a platform by name: use with `@pytest.mark.parametrize("platform", [...],

@@ -36,6 +36,23 @@ def test_explicit_memory_env_and_override(monkeypatch):
     assert determine_num_blocks(config(), BLOCK_BYTES, available_bytes=6 * BLOCK_BYTES)[0] == 6
 
 
+def test_explicit_memory_wins_over_gpu_memory_utilization(monkeypatch):
+    """Upstream's kv_cache_memory_bytes: a fixed KV size on CUDA too, so several engines can
+    share one GPU (the profiled `available_bytes` are ignored)."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    num, why = determine_num_blocks(config(max_seqs=100, kv_cache_memory=10 * BLOCK_BYTES),
+                                    BLOCK_BYTES, available_bytes=1000 * BLOCK_BYTES)
+    assert (num, why) == (10, "kv_cache_memory")
+
+
+def test_kv_cache_memory_bytes_is_an_alias():
+    from vllm.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(__import__("argparse").ArgumentParser())
+    args = parser.parse_args(["--kv-cache-memory-bytes", "512MiB"])
+    assert EngineArgs.from_cli_args(args).kv_cache_memory == 512 * 1024 * 1024
+
+
 def test_too_small_names_the_numbers():
     with pytest.raises(ValueError) as info:
         determine_num_blocks(config(max_len=64, kv_cache_memory=3 * BLOCK_BYTES), BLOCK_BYTES)

@@ -136,9 +136,12 @@ class EngineArgs:
         cache = parser.add_argument_group("KV cache")
         cache.add_argument("--block-size", type=positive_int, default=d.block_size,
                            help="Tokens per KV cache block. Default: %(default)s.")
-        cache.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=d.kv_cache_memory,
-                           help="CPU: bytes for the KV cache, human readable (4GiB, 512MiB). "
-                           "Default: VLLM_CPU_KVCACHE_SPACE (GiB) or the platform default.")
+        cache.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=_kv_cache_memory,
+                           default=d.kv_cache_memory,
+                           help="Bytes for the KV cache, human readable (4GiB, 512MiB); on CUDA "
+                           "it overrides --gpu-memory-utilization. Default: CPU: "
+                           "VLLM_CPU_KVCACHE_SPACE (GiB) or 4 GiB; CUDA: from "
+                           "--gpu-memory-utilization.")
         cache.add_argument("--gpu-memory-utilization", type=float,
                            default=d.gpu_memory_utilization,
                            help="CUDA: fraction of device memory to use. Default: %(default)s.")

@@ -39,10 +39,11 @@ def determine_num_blocks(vllm_config: VllmConfig, block_bytes: int,
                          available_bytes: int | None = None) -> tuple[int, str]:
     """How many KV blocks to allocate (including the reserved block 0), and why.
 
-    `num_gpu_blocks_override` wins. Otherwise the CPU uses `cache_config.kv_cache_memory`
-    bytes (default: VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB), capped at what max_num_seqs
-    sequences of max_model_len can use; CUDA uses `available_bytes` (from
-    gpu_memory_utilization). Raises ValueError when one max-length sequence does not fit.
+    `num_gpu_blocks_override` wins, then `cache_config.kv_cache_memory` bytes on any device
+    (upstream's kv_cache_memory_bytes: it overrides gpu_memory_utilization on CUDA). Otherwise
+    CUDA uses `available_bytes` (from gpu_memory_utilization) and the CPU VLLM_CPU_KVCACHE_SPACE
+    GiB, else 4 GiB. Fixed amounts are capped at what max_num_seqs sequences of max_model_len
+    can use. Raises ValueError when one max-length sequence does not fit.
     """
     from vllm import envs
 
@@ -54,7 +55,7 @@ def determine_num_blocks(vllm_config: VllmConfig, block_bytes: int,
         num_blocks = cc.num_gpu_blocks_override
         source = "num_gpu_blocks_override"
         memory = num_blocks * block_bytes
-    elif available_bytes is not None:
+    elif available_bytes is not None and cc.kv_cache_memory is None:
         memory = max(available_bytes, 0)
         num_blocks = memory // block_bytes
         source = (f"gpu_memory_utilization={cc.gpu_memory_utilization} leaves "
@@ -137,8 +138,9 @@ class Worker:
         block_bytes = bytes_per_block(runner.attention_layers,
                                       self.vllm_config.cache_config.block_size, dtype)
         available = None
-        if self.device.type == "cuda" and \
-                self.vllm_config.cache_config.num_gpu_blocks_override is None:
+        cache = self.vllm_config.cache_config
+        if (self.device.type == "cuda" and cache.num_gpu_blocks_override is None
+                and cache.kv_cache_memory is None):
             available = self._cuda_available_kv_bytes()
         num_blocks, source = determine_num_blocks(self.vllm_config, block_bytes, available)
         self.block_bytes = block_bytes
