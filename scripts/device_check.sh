@@ -46,7 +46,7 @@ stage cuda_tests "$SUITE_S" python3 -m pytest -v --tb=short -m cuda -p no:cachep
 wait
 stage bench_demo "${BENCH_DEMO_S:-100}" python3 benchmarks/bench_levels.py --models demo \
     --warm-runs 1 --repeats 3 --threads 8 --out "$OUT_DIR/cuda_levels_demo"
-stage bench_qwen "${BENCH_QWEN_S:-90}" python3 benchmarks/bench_levels.py \
+stage bench_qwen "${BENCH_QWEN_S:-110}" python3 benchmarks/bench_levels.py \
     --models qwen2.5-0.5b --levels 0 1 2 --dtype bfloat16 --warm-runs 1 --repeats 3 \
     --threads 8 --ckpt-root /tmp/ckpt --out "$OUT_DIR/cuda_levels_qwen"
 cat "$OUT_DIR/env.txt" "$OUT_DIR/stages.txt"

@@ -18,6 +18,10 @@ except ImportError:  # tests/ itself on sys.path
 from vllm import LLM, SamplingParams
 from vllm.compilation.counter import compilation_counter
 from vllm.config.compilation import CUDAGraphMode
+from vllm.engine.worker import Worker
+
+# conftest's _share_the_gpu replaces this for the test workers; one test here uses it.
+_PROFILED_KV_BYTES = Worker._cuda_available_kv_bytes
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -76,6 +80,20 @@ def test_o0_matches_transformers_on_the_gpu(llama):
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  attention_mask=torch.ones_like(ids))
         assert got == out[0, len(prompt):].tolist()
+
+
+def test_kv_cache_sized_from_gpu_memory_utilization(llama, monkeypatch):
+    """No kv_cache_memory: a profiled forward at the full token budget, then the cache gets
+    what gpu_memory_utilization leaves."""
+    monkeypatch.setattr(Worker, "_cuda_available_kv_bytes", _PROFILED_KV_BYTES)
+    engine = {k: v for k, v in ENGINE.items() if k != "kv_cache_memory"}
+    llm = LLM(model=llama, optimization_level=0, gpu_memory_utilization=0.5, **engine)
+    worker = llm.llm_engine.executor.worker
+    assert worker.kv_source.startswith("gpu_memory_utilization=0.5 leaves")
+    free, total = torch.cuda.mem_get_info()
+    assert llm.llm_engine.executor.num_blocks * worker.block_bytes <= 0.5 * total
+    assert run(llm)[0] == o0(llama)[0]
+    llm.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("level", [1, 2, 3])
