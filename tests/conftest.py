@@ -23,16 +23,28 @@ def _fresh_platform(monkeypatch):
     reset_current_platform()
 
 
-@pytest.fixture(autouse=True)
-def _share_the_gpu(monkeypatch):
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    """The CPU platform even on a GPU machine, for tests of the CPU's defaults and kernels."""
+    from vllm.platforms import get_current_platform, reset_current_platform
+
+    monkeypatch.setenv("VLLM_PLATFORM", "cpu")
+    reset_current_platform()
+    return get_current_platform()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _share_the_gpu():
     """On a CUDA machine the test workers share one GPU: an engine whose test gives no KV cache
     size gets 1 GiB instead of gpu_memory_utilization of the whole device (which the other
-    workers' engines hold part of)."""
+    workers' engines hold part of). Session-wide, so module-scoped engines get it too."""
     import torch
 
-    if torch.cuda.is_available():
-        monkeypatch.setattr("vllm.engine.worker.Worker._cuda_available_kv_bytes",
-                            lambda self: 1 << 30)
+    with pytest.MonkeyPatch.context() as patch:
+        if torch.cuda.is_available():
+            patch.setattr("vllm.engine.worker.Worker._cuda_available_kv_bytes",
+                          lambda self: 1 << 30)
+        yield
 
 
 @pytest.fixture

@@ -5,6 +5,11 @@ import pytest
 from transformers import LlamaConfig
 
 
+@pytest.fixture(autouse=True)
+def _cpu_tables(cpu_platform):
+    """The CLI tests read the CPU's resolved tables and errors (CUDA's differ: CUDA graphs)."""
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     """A tiny Llama checkpoint folder (config.json is all config resolution reads)."""

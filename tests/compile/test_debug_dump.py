@@ -53,7 +53,7 @@ def run(model: Toy, n: int = 3) -> torch.Tensor:
         return model(torch.randn(n, 4), torch.arange(n, dtype=torch.float32))
 
 
-def test_dump_writes_graphs_pieces_passes_config_and_index(tmp_path):
+def test_dump_writes_graphs_pieces_passes_config_and_index(tmp_path, cpu_platform):
     run(build(str(tmp_path)))
     rank = tmp_path / "rank_0"
     for name in ("graph.dynamo.py", "split_module.py", "piece_0.py", "piece_1.py", "piece_2.py",

@@ -120,7 +120,7 @@ def test_splitting_pieces_call_a_registered_eager_impl_directly(monkeypatch):
         attention.unified_attention_with_output
 
 
-def test_compile_sizes_add_static_compiles_used_for_those_sizes():
+def test_compile_sizes_add_static_compiles_used_for_those_sizes(cpu_platform):
     model = build(compile_sizes=[4, 6])
     with compilation_counter.expect(num_backend_compilations=3, num_recompiles=0):
         check(model, 5)  # general shape only
@@ -138,7 +138,7 @@ def test_compile_sizes_add_static_compiles_used_for_those_sizes():
         assert piece.runnable_for(5, args) is piece.range_runnables[Range(1, 2048)]
 
 
-def test_compile_ranges_compile_each_range_and_dispatch_by_token_count():
+def test_compile_ranges_compile_each_range_and_dispatch_by_token_count(cpu_platform):
     assert compile_ranges([8, 32], 2048) == [Range(1, 8), Range(9, 32), Range(33, 2048)]
     assert compile_ranges([1, 4096, 8], 64) == [Range(1, 8), Range(9, 64)]
     model = build(compile_ranges_endpoints=[8, 32], compile_sizes=[16])

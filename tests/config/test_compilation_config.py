@@ -101,6 +101,21 @@ def _hash(**kwargs) -> str:
                       **kwargs).compute_hash()
 
 
+@pytest.mark.parametrize("platform", ["cuda"], indirect=True)
+def test_cuda_graph_capture_sizes_are_not_in_the_hash(platform):
+    """They follow max_num_seqs and change what is captured, not what is compiled."""
+    base = VllmConfig(model_config=model_configs.dense(), optimization_level=2)
+    assert base.compilation_config.cudagraph_capture_sizes  # captured on CUDA
+    fewer = VllmConfig(model_config=model_configs.dense(), optimization_level=2,
+                       scheduler_config=SchedulerConfig(max_num_seqs=4))
+    assert fewer.compilation_config.cudagraph_capture_sizes != \
+        base.compilation_config.cudagraph_capture_sizes
+    assert fewer.compute_hash() == base.compute_hash()
+    sized = VllmConfig(model_config=model_configs.dense(), optimization_level=2,
+                       compilation_config={"compile_sizes": [4]})
+    assert sized.compute_hash() != base.compute_hash()
+
+
 def test_hash_covers_graph_relevant_fields_only():
     base = _hash()
     assert base == _hash()

@@ -131,7 +131,7 @@ def test_bad_level_is_clear_error(bad):
         VllmConfig(optimization_level=bad)
 
 
-def test_summary_line_names_level_mode_graphs_passes():
+def test_summary_line_names_level_mode_graphs_passes(cpu_platform):
     line = VllmConfig(model_config=model_configs.fp8(), optimization_level=1).summary_line()
     assert "O1" in line and "VLLM_COMPILE" in line and "CUDA graphs NONE" in line
     assert "fuse_norm_quant" in line and "fuse_act_quant" in line and "eliminate_noops" in line

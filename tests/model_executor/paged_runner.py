@@ -5,7 +5,8 @@
     logits = runner.step([("a", [next_a]), ("b", [next_b])])   # decode, reusing the cache
 
 Each request's blocks are taken from a shuffled free list (never block 0, the dummy block),
-so block tables are non-contiguous. `step` returns {request_id: logits [new_tokens, vocab]}.
+so block tables are non-contiguous. `step` returns {request_id: logits [new_tokens, vocab]},
+on the CPU; the cache, metadata and inputs live on the model's device (CUDA on a GPU machine).
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class PagedRunner:
         self.vllm_config = vllm_config
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         self.kv_caches = {name: torch.zeros(layer.get_kv_cache_shape(num_blocks, block_size),
-                                            dtype=dtype)
+                                            dtype=dtype, device=self.device)
                           for name, layer in model.attention_layers.items()}
         bind_kv_cache(model, self.kv_caches)
         self.free_blocks = list(range(1, num_blocks))
@@ -61,13 +63,14 @@ class PagedRunner:
             tables.append(list(self.block_tables[request_id]))
         num_tokens = len(ids) + num_padding
         metadata = TorchSDPAMetadataBuilder().build(query_lens, seq_lens, tables, slots,
-                                                    num_tokens, "cpu")
-        input_ids = torch.tensor(ids + [0] * num_padding, dtype=torch.int64)
-        input_positions = torch.tensor(positions + [0] * num_padding, dtype=torch.int64)
+                                                    num_tokens, self.device)
+        input_ids = torch.tensor(ids + [0] * num_padding, dtype=torch.int64, device=self.device)
+        input_positions = torch.tensor(positions + [0] * num_padding, dtype=torch.int64,
+                                       device=self.device)
         with set_forward_context(metadata, self.vllm_config,
                                  attn_layers=self.model.attention_layers):
             hidden = self.model(input_ids, input_positions)
-        logits = self.model.compute_logits(hidden[:len(ids)])
+        logits = self.model.compute_logits(hidden[:len(ids)]).cpu()
         out, start = {}, 0
         for (request_id, tokens) in batch:
             out[request_id] = logits[start:start + len(tokens)]

@@ -15,6 +15,7 @@ from vllm.model_executor.layers.fused_moe import (
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.platforms import current_platform
 
 
 def test_custom_op_dispatch_follows_the_current_config():
@@ -22,7 +23,8 @@ def test_custom_op_dispatch_follows_the_current_config():
     config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["none", "+rms_norm"]),
                         optimization_level=0)
     with set_current_vllm_config(config):
-        assert RMSNorm(8)._forward_method.__name__ == "forward_cpu"
+        # The platform's kernel: forward_cpu here, forward_cuda on a GPU machine.
+        assert RMSNorm(8)._forward_method.__name__ == f"forward_{current_platform.device_type}"
         assert SiluAndMul()._forward_method.__name__ == "forward_native"
 
 

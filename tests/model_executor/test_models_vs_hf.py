@@ -12,6 +12,7 @@ from tests.model_executor.hf_checkpoints import LLAMA3_ROPE_SCALING, MAKERS
 from tests.model_executor.paged_runner import PagedRunner
 from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
 from vllm.model_executor.model_loader import get_model
+from vllm.platforms import current_platform
 
 ATOL = 1e-4
 VOCAB = 384
@@ -143,7 +144,8 @@ def test_custom_ops_all_vs_none(checkpoints, arch):
     for mode in ("all", "none"):
         model, config = build(path, custom_ops=[mode])
         norm = model.model.norm
-        expected = "forward_cpu" if mode == "all" else "forward_native"
+        expected = f"forward_{current_platform.device_type}" if mode == "all" \
+            else "forward_native"
         assert norm._forward_method.__name__ == expected
         runner = PagedRunner(model, config)
         results[mode] = (runner.step([("p", prompt)])["p"], runner.step([("p", [5])])["p"])

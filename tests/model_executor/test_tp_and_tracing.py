@@ -65,7 +65,8 @@ def paths(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_tp_1(paths, tmp_path):
+def test_tensor_parallel_2_matches_tp_1(paths, tmp_path, cpu_platform):
+    # The spawned ranks inherit VLLM_PLATFORM=cpu: gloo on the CPU even on a GPU machine.
     mp.start_processes(_tp_worker, args=(2, free_port(), paths, str(tmp_path)), nprocs=2,
                        start_method="spawn")
     torch.set_num_threads(1)

@@ -275,6 +275,9 @@ class CompilationConfig:
         return list(self.splitting_ops or [])
 
     def compute_hash(self) -> str:
-        """Hash of everything here that changes the compiled graph (not paths or warm-up counts)."""
+        """Hash of everything here that changes the compiled graph (not paths, warm-up counts or
+        which CUDA graphs are captured: the capture sizes follow max_num_seqs, and a size that
+        is also compiled statically is in the expanded `compile_sizes`)."""
         return hash_fields(self, exclude=("cache_dir", "debug_dump_path",
-                                          "cudagraph_num_of_warmups"))
+                                          "cudagraph_num_of_warmups", "cudagraph_capture_sizes",
+                                          "max_cudagraph_capture_size"))

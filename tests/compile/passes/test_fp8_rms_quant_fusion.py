@@ -208,3 +208,34 @@ def test_registration_is_recorded_in_uuid():
     assert names[0].startswith("fused_add_rms")
     assert any("rms[native]+quant[native]" in n for n in names)
     assert any("rms[cpu]+quant[custom]" in n for n in names)
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["aten", "inductor-ir"])
+def test_fuses_with_a_torch_whose_register_replacement_has_no_get_decomp_fn(
+        monkeypatch, decompose):
+    """torch 2.11's register_replacement takes no get_decomp_fn (seen on a CUDA machine's
+    torch): registration must not pass it, and the patterns (traced by our trace_fn with its
+    own table) still fuse."""
+    import torch._inductor.pattern_matcher as pattern_matcher
+
+    real = pattern_matcher.register_replacement
+
+    def without_get_decomp_fn(search_fn, replace_fn, example_inputs, trace_fn, pass_dicts,
+                              extra_check=None, scalar_workaround=None,
+                              exclusive_arg_names=(), search_fn_pattern=None,
+                              skip_duplicates=False):
+        return real(search_fn, replace_fn, example_inputs, trace_fn, pass_dicts,
+                    extra_check=extra_check, scalar_workaround=scalar_workaround,
+                    exclusive_arg_names=exclusive_arg_names,
+                    search_fn_pattern=search_fn_pattern, skip_duplicates=skip_duplicates)
+
+    monkeypatch.setattr(pattern_matcher, "register_replacement", without_get_decomp_fn)
+    dtype = torch.float16  # a dtype no other test's cached pass was built for
+    fusion = RMSNormQuantFusionPass(None, dtypes=[dtype], decompose=[decompose])
+    module = build(False, scheme=mu.STATIC, dtype=dtype)
+    x, residual = _inputs(dtype)
+    run, cap = compile_with_passes(module, [fusion], decompose)
+    got = run(x, residual)  # compiles: the pass runs
+    assert fusion.matched_count == 2
+    assert sum(cap.after[op] for op in FUSED_RMS) == 2
+    _check_outputs(got, module(x, residual))

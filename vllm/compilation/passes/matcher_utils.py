@@ -172,7 +172,10 @@ def make_trace_fn(decompose: bool) -> Callable:
     @torch.no_grad()
     def trace(fn: Callable, args: Any, *, run_functional_passes: bool = True,
               get_decomp_fn: Callable[[], dict] | None = None) -> fx.GraphModule:
-        table = (get_decomp_fn or _decomps(decompose))()
+        # The table is this function's own: torch >= 2.12's pattern matcher passes its default
+        # (Inductor's table) for search and replacement alike, and older ones pass none.
+        del get_decomp_fn
+        table = _decomps(decompose)()
         functional = torch.func.functionalize(fn, remove="mutations")
         with enable_python_dispatcher(), preserve_node_meta():
             gm = make_fx(functional, table, tracing_mode="real")(*args)
@@ -240,8 +243,7 @@ class FusionPatterns:
         with _registration_lock:
             added = register_replacement(
                 search, replace, inputs, make_trace_fn(decompose), self.patterns,
-                extra_check=extra_check or (lambda match: True), skip_duplicates=True,
-                get_decomp_fn=_decomps(decompose))
+                extra_check=extra_check or (lambda match: True), skip_duplicates=True)
         if added is not False:
             self.registered.append(name)
 
