@@ -89,9 +89,21 @@ def test_attn_fusion_needs_attention_inside_the_graph(platform):
         VllmConfig(model_config=model_configs.fp8(), optimization_level=2,
                    compilation_config={"use_inductor_graph_partition": False,
                                        "splitting_ops": ["vllm::unified_attention_with_output"]})
-    # With Inductor graph partition the attention op stays a split point and piecewise stays.
-    part = VllmConfig(model_config=model_configs.fp8(), optimization_level=2).compilation_config
-    assert part.use_inductor_graph_partition and part.cudagraph_mode.has_piecewise_cudagraphs()
+    # The levels leave Inductor graph partition off (as upstream), so the default is the same.
+    default = VllmConfig(model_config=model_configs.fp8(), optimization_level=2)
+    assert default.compilation_config.splitting_ops == []
+
+
+@cuda
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_inductor_graph_partition_is_off_and_refused(level, platform):
+    """Our backend splits the graph itself: the flag would change nothing, so asking for it
+    is an error that says so, not a silent no-op."""
+    config = VllmConfig(model_config=model_configs.dense(), optimization_level=level)
+    assert config.compilation_config.use_inductor_graph_partition is False
+    with pytest.raises(ValueError, match="use_inductor_graph_partition=True is not supported"):
+        VllmConfig(model_config=model_configs.dense(), optimization_level=level,
+                   compilation_config={"use_inductor_graph_partition": True})
 
 
 @cuda

@@ -73,19 +73,10 @@ def _tp_allreduce(cfg: VllmConfig) -> bool:
             and cfg.platform.supports_allreduce_rms_fusion(cfg))
 
 
-def _torch_at_least(major: int, minor: int) -> bool:
-    import torch
-
-    parts = torch.__version__.split("+")[0].split(".")
-    return (int(parts[0]), int(parts[1])) >= (major, minor)
-
-
 IS_FP8 = Cond(_is_fp8, "model is FP8-quantized")
 FP8_STATIC = Cond(_fp8_static, "model is FP8 with static activation scales")
 TP_ALLREDUCE = Cond(_tp_allreduce,
                     "tensor_parallel_size > 1 and the platform has the fused all-reduce kernel")
-GRAPH_PARTITION = Cond(lambda cfg: cfg.platform.supports_inductor_graph_partition()
-                       and _torch_at_least(2, 9), "torch >= 2.9 on CUDA")
 ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(), "platform is the CPU")
 # CPU, measured on the demo model (float32, 2 cores, decode-shaped forwards of the compiled
 # model, paired rounds; benchmarks/bench_level_switches.py, results/cpu_levels.md): linear
@@ -130,7 +121,6 @@ _O1 = {
 _O2 = {
     **_O1,
     f"{_CC}.cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
-    f"{_CC}.use_inductor_graph_partition": GRAPH_PARTITION,
     # Inductor freezing stays off: on the CPU it measured x0.85 / x1.30 (batch 1 / 16) against
     # O1, and prepacking (below) x1.18 / x0.89 against freezing; unlike freezing, prepacking
     # leaves the weights out of the compiled code, so a warm start loads the code instead of

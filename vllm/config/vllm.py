@@ -178,6 +178,12 @@ class VllmConfig:
             self._set("compilation_config.backend", self.platform.simple_compile_backend,
                       Provenance(f"platform {self.platform.device_name}", "platform's compiler"))
         self._check_backend()
+        if cc.use_inductor_graph_partition:
+            raise ValueError(
+                "compilation_config.use_inductor_graph_partition=True is not supported: this "
+                "engine's compile backend splits the graph at splitting_ops itself and captures "
+                "each piece as a piecewise CUDA graph. Leave it unset (off at every level, as "
+                "upstream).")
         if not any(op in ("all", "none") for op in cc.custom_ops):
             inductor = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
             base = "none" if inductor else "all"
@@ -213,7 +219,7 @@ class VllmConfig:
                 self._set("compilation_config.splitting_ops", [],
                           Provenance("derived: no piecewise compile", "mode is not VLLM_COMPILE"))
             return
-        if pc.fuse_attn_quant and not cc.use_inductor_graph_partition:
+        if pc.fuse_attn_quant:
             if cc.splitting_ops is None:
                 self._set("compilation_config.splitting_ops", [], Provenance(
                     "derived: fuse_attn_quant", "attention+quant fusion needs attention inside "
@@ -222,7 +228,7 @@ class VllmConfig:
                 raise ValueError(
                     "compilation_config.pass_config.fuse_attn_quant=True needs the attention op "
                     f"inside the compiled graph, but splitting_ops={cc.splitting_ops} splits at "
-                    "it; remove it from splitting_ops or turn use_inductor_graph_partition on.")
+                    "it; remove it from splitting_ops.")
         elif cc.splitting_ops is None:
             self._set("compilation_config.splitting_ops", list(ATTENTION_OPS), Provenance(
                 "derived: default split points", "split the graph at attention"))
@@ -246,8 +252,7 @@ class VllmConfig:
                 path, new, f"piecewise CUDA graphs need compilation mode VLLM_COMPILE, but the "
                 f"mode is {cc.mode.name}")
             mode = new
-        if (mode.requires_piecewise_compilation() and cc.splitting_ops == []
-                and not cc.use_inductor_graph_partition):
+        if mode.requires_piecewise_compilation() and cc.splitting_ops == []:
             new = CUDAGraphMode.NONE if mode == CUDAGraphMode.PIECEWISE else CUDAGraphMode.FULL
             self._refuse_or_downgrade(path, new, "splitting_ops is empty, so there are no pieces "
                                       "to capture piecewise")

@@ -52,9 +52,6 @@ class CpuPlatform(Platform):
         if cc.cudagraph_mode is not None and cc.cudagraph_mode != cc.cudagraph_mode.NONE:
             vllm_config.platform_set("compilation_config.cudagraph_mode", cc.cudagraph_mode.NONE,
                                      "the CPU has no CUDA graphs")
-        if cc.use_inductor_graph_partition:
-            vllm_config.platform_set("compilation_config.use_inductor_graph_partition", False,
-                                     "Inductor graph partition is for CUDA graphs only")
         if cc.pass_config.fuse_allreduce_rms:
             vllm_config.platform_set("compilation_config.pass_config.fuse_allreduce_rms", False,
                                      "the fused all-reduce + RMSNorm kernel needs CUDA")
@@ -74,7 +71,7 @@ class CpuPlatform(Platform):
 
         cc = vllm_config.compilation_config
         if (int(vllm_config.optimization_level) < 3 or cc.mode != CompilationMode.VLLM_COMPILE
-                or cc.splitting_ops is not None or cc.use_inductor_graph_partition):
+                or cc.splitting_ops is not None):
             return
         vllm_config.platform_set("compilation_config.splitting_ops", [],
                                  f"O3 on the CPU: whole-graph compile ({CPU_O3_WHOLE_GRAPH})")

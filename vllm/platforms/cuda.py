@@ -1,4 +1,4 @@
-"""NVIDIA CUDA: CUDA graphs, Inductor graph partition, FlashInfer all-reduce fusion."""
+"""NVIDIA CUDA: CUDA graphs, FlashInfer all-reduce fusion."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,9 +24,6 @@ class CudaPlatform(Platform):
         return torch.cuda.is_available() and torch.version.hip is None
 
     def support_static_graph_mode(self) -> bool:
-        return True
-
-    def supports_inductor_graph_partition(self) -> bool:
         return True
 
     def get_device_capability(self) -> tuple[int, int] | None:

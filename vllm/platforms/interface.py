@@ -68,9 +68,6 @@ class Platform:
     def supports_allreduce_rms_fusion(self, vllm_config: VllmConfig) -> bool:
         return False
 
-    def supports_inductor_graph_partition(self) -> bool:
-        return False
-
     def get_device_capability(self) -> tuple[int, int] | None:
         return None
 
