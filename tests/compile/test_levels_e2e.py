@@ -45,7 +45,9 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _fail_on_recompile(monkeypatch):
+def _fail_on_recompile(monkeypatch, cpu_platform):
+    """(On the CPU even on a GPU machine: the checks below are the CPU's level table, prepacked
+    linears and whole-graph -O3; tests/engine/test_cuda_e2e.py runs the levels on CUDA.)"""
     monkeypatch.setenv("VLLM_TEST_FAIL_ON_RECOMPILE", "1")
 
 
