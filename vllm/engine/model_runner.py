@@ -196,10 +196,18 @@ class ModelRunner:
         (KV in the reserved block 0) runs the Dynamo trace and compiles the dynamic graph
         (every compile range); then one forward per `compile_sizes` entry compiles its static
         shapes; then the CUDA graphs are captured. At -O0 the forward only warms up."""
-        from vllm.compilation.backends import deferred_cache_reports
+        import contextlib
 
+        from vllm.config.compilation import CompilationMode
+
+        reports = contextlib.nullcontext()
+        if self.vllm_config.compilation_config.mode != CompilationMode.NONE:
+            # (-O0 never imports the compile backend: ~0.5 s of start-up)
+            from vllm.compilation.backends import deferred_cache_reports
+
+            reports = deferred_cache_reports()
         general, sizes = self.warm_up_sizes()
-        with deferred_cache_reports():
+        with reports:
             hidden = self.dummy_run(general)
             self.model.compute_logits(hidden[:1])
             for size in sizes:
