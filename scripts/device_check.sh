@@ -3,12 +3,19 @@
 #
 #   bash scripts/device_check.sh [OUT_DIR]
 #
-# 1. the CUDA-marked tests (real CUDA graphs, Triton kernels, -O0..-O3 end to end on the GPU),
-#    and at the same time the whole suite with the GPU visible (every engine test then runs
-#    on CUDA), on many workers;
-# 2. bench_levels.py on the GPU: demo model (float32) and the Qwen2.5-0.5B shape (bfloat16).
-# Logs, JUnit XML and benchmark tables go to OUT_DIR (default $OUT, else /tmp/device_check).
-# Wheels in .whl/ (packages the machine lacks) are installed first when present.
+# 1. the CUDA-marked tests but -O3 (real CUDA graphs, Triton kernels, -O0..-O2 end to end on
+#    the GPU) and, at the same time, the whole suite with the GPU visible (every engine test
+#    then runs on CUDA) on many workers;
+# 2. -O3 on CUDA alone (Inductor max-autotune: minutes of start-up), with its duration;
+# 3. bench_levels.py on the GPU: the demo model (float32) and the Qwen2.5-0.5B shape (bf16).
+# Each stage has a time limit (env SUITE_S, O3_S, BENCH_DEMO_S, BENCH_QWEN_S). Outcomes go to
+# OUT_DIR (default $OUT, else /tmp/device_check) as they happen: pytest-reportlog JSON lines
+# (tracebacks included, even when a stage is cut short), logs and benchmark tables.
+#
+# Packages the machine may lack travel as wheels in .whl/ (installed first when present):
+# fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc
+# typing-inspection opentelemetry-api openai jiter distro sniffio httpx2 httpcore2 truststore
+# pytest-reportlog, and transformers + huggingface_hub of the versions the project tests with.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-/tmp/device_check}}
@@ -23,8 +30,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT_
     date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_capability())"
     python3 -c "import vllm, vllm.platforms as p; print('vllm', vllm.__file__, p.current_platform)"
-    which gcc g++ nvcc
 } >"$OUT_DIR/env.txt" 2>&1
+REPORT=()
+python3 -c "import pytest_reportlog" 2>/dev/null && REPORT=(--report-log)
 
 stage() {  # name, seconds, command...
     local name=$1 limit=$2
@@ -35,22 +43,24 @@ stage() {  # name, seconds, command...
     pkill -9 -f benchmarks/bench_levels.py 2>/dev/null  # workers a timeout left behind
 }
 
-SUITE_S=${SUITE_S:-220}
-# -v: each test's outcome is in the log as it ends, even if the stage is cut short.
-stage suite "$SUITE_S" python3 -m pytest -v --tb=short -n 14 -m "not cuda" \
-    -p no:cacheprovider --timeout 100 -rfE --junitxml="$OUT_DIR/suite.xml" &
+O3_TEST="tests/engine/test_cuda_e2e.py::test_compiled_level_replays_cuda_graphs_and_matches_o0[3]"
+SUITE_S=${SUITE_S:-240}
+stage suite "$SUITE_S" python3 -m pytest -q --tb=short -n 14 -m "not cuda" \
+    -p no:cacheprovider --timeout 150 -rfE ${REPORT:+"${REPORT[@]}" "$OUT_DIR/suite.jsonl"} &
 stage cuda_tests "$SUITE_S" python3 -m pytest -v --tb=short -m cuda -p no:cacheprovider -rfE \
-    --junitxml="$OUT_DIR/cuda_tests.xml" tests/engine/test_cuda_e2e.py \
-    tests/compile/test_cuda_graph_wrapper.py tests/quantization/test_fp8_ops.py \
-    tests/attention/test_sliding_window_attention.py
+    ${REPORT:+"${REPORT[@]}" "$OUT_DIR/cuda_tests.jsonl"} --deselect "$O3_TEST" \
+    tests/engine/test_cuda_e2e.py tests/compile/test_cuda_graph_wrapper.py \
+    tests/quantization/test_fp8_ops.py tests/attention/test_sliding_window_attention.py
 wait
-stage bench_demo "${BENCH_DEMO_S:-100}" python3 benchmarks/bench_levels.py --models demo \
-    --warm-runs 1 --repeats 3 --threads 8 --out "$OUT_DIR/cuda_levels_demo"
-stage bench_qwen "${BENCH_QWEN_S:-110}" python3 benchmarks/bench_levels.py \
+stage cuda_o3 "${O3_S:-240}" python3 -m pytest -v --tb=short -p no:cacheprovider --durations=3 \
+    "$O3_TEST"
+stage bench_demo "${BENCH_DEMO_S:-150}" python3 benchmarks/bench_levels.py --models demo \
+    --levels 0 1 2 --warm-runs 1 --repeats 3 --threads 8 --out "$OUT_DIR/cuda_levels_demo"
+stage bench_qwen "${BENCH_QWEN_S:-150}" python3 benchmarks/bench_levels.py \
     --models qwen2.5-0.5b --levels 0 1 2 --dtype bfloat16 --warm-runs 1 --repeats 3 \
     --threads 8 --ckpt-root /tmp/ckpt --out "$OUT_DIR/cuda_levels_qwen"
 cat "$OUT_DIR/env.txt" "$OUT_DIR/stages.txt"
-grep -h -o -E "(FAILED|ERROR) tests/[^ ]*( - .*)?" "$OUT_DIR/cuda_tests.log" "$OUT_DIR/suite.log" \
+grep -h -o -E "(FAILED|ERROR) tests/[^ ]*( - .*)?" "$OUT_DIR"/suite.log "$OUT_DIR"/cuda*.log \
     | cut -c1-240 | sort -u
-grep -h -E "passed|failed" "$OUT_DIR/cuda_tests.log" "$OUT_DIR/suite.log" | tail -2
+grep -h -E "passed|failed" "$OUT_DIR"/cuda*.log "$OUT_DIR/suite.log" | tail -3
 cat "$OUT_DIR"/cuda_levels_*.md 2>/dev/null

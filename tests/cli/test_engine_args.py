@@ -171,6 +171,15 @@ def test_kv_cache_memory(tiny, monkeypatch):
         EngineArgs(model=tiny).create_engine_config()
 
 
+@pytest.mark.parametrize("platform", ["cuda"], indirect=True)
+def test_cpu_kv_cache_space_is_the_cpus_only(tiny, monkeypatch, platform):
+    """On CUDA the cache follows gpu_memory_utilization unless --kv-cache-memory is given."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert EngineArgs(model=tiny).create_engine_config().cache_config.kv_cache_memory is None
+    config = EngineArgs(model=tiny, kv_cache_memory="512MiB").create_engine_config()
+    assert config.cache_config.kv_cache_memory == 512 * 1024**2
+
+
 def test_sub_configs(tiny):
     config = EngineArgs(model=tiny, tokenizer=tiny, served_model_name="m", max_num_seqs=4,
                         max_num_batched_tokens=512, enable_chunked_prefill=False,

@@ -130,6 +130,10 @@ _O2 = {
     f"{_PC}.fuse_attn_quant": FP8_STATIC,
     f"{_PC}.fuse_allreduce_rms": TP_ALLREDUCE,
 }
+# CUDA -O3: not measured against -O2 yet. On a lent H200 (torch 2.11) the cold -O3 start of
+# a 2-layer test model took over 170 s (max-autotune of every GEMM per compile size, on a
+# machine loaded by a parallel test run); -O1/-O2 there matched -O0 token for token. The CPU
+# narrows these switches off where they measured no faster (vllm/platforms/cpu.py).
 _O3 = {
     **_O2,
     f"{_CC}.max_autotune": True,

@@ -232,10 +232,15 @@ class EngineArgs:
             optimization_level=self.optimization_level)
 
     def _kv_cache_memory(self) -> int | str | None:
-        """--kv-cache-memory, else VLLM_CPU_KVCACHE_SPACE (GiB), else None (platform default)."""
+        """--kv-cache-memory, else on the CPU VLLM_CPU_KVCACHE_SPACE (GiB), else None (the
+        platform's default; on CUDA: from gpu_memory_utilization)."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
         from vllm import envs
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
 
         try:
             gib = envs.VLLM_CPU_KVCACHE_SPACE
