@@ -57,6 +57,37 @@ def test_bench_startup_measures_every_level_given(caplog):
     assert int(args.optimization_level) == 2 and "duplicate" in caplog.text.lower()
 
 
+def test_bench_startup_takes_upstreams_iteration_flags(monkeypatch):
+    """--num-iters-cold / --num-iters-warmup / --num-iters-warm (upstream's names) next to
+    --num-runs; the warm-up starts run on the warm cache and are not reported."""
+    from vllm.benchmarks import startup
+    from vllm.entrypoints.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "startup", "--model", "m", "--num-iters-cold", "2",
+                              "--num-iters-warmup", "1", "--num-iters-warm", "3"])
+    assert startup._iterations(args) == (2, 1, 3)
+    args = parser.parse_args(["bench", "startup", "--model", "m", "--num-runs", "4"])
+    assert startup._iterations(args) == (4, 0, 4)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "startup", "--model", "m", "--num-iters-warm", "0"])
+
+    starts = []
+
+    def fake_start(kwargs, cache_dir, inductor_dir, timeout):
+        starts.append(cache_dir)
+        return {"engine_seconds": float(len(starts)), "process_seconds": len(starts) + 0.5,
+                "phases": {"weight loading": 0.1}, "cache": {}}
+
+    monkeypatch.setattr(startup, "start_once", fake_start)
+    result = startup.measure_level({}, 2, (2, 1, 3), 10.0, keep=False)
+    assert len(starts) == 6
+    assert [r["engine_seconds"] for r in result["runs"]["cold"]] == [1.0, 2.0]
+    # start 3 is the untimed warm-up; the warm ones reuse the first cold run's caches
+    assert [r["engine_seconds"] for r in result["runs"]["warm"]] == [4.0, 5.0, 6.0]
+    assert set(starts[2:]) == {starts[0]}
+
+
 @pytest.mark.slow
 def test_bench_startup_cold_and_warm(llama, tmp_path):
     out_json = tmp_path / "startup.json"

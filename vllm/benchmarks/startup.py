@@ -5,7 +5,9 @@ A cold run gets empty compile caches (ours, `compilation_config.cache_dir`, and 
 `TORCHINDUCTOR_CACHE_DIR`); the warm runs then reuse the directories the first cold run
 filled. Kernels built once per machine under `VLLM_CACHE_ROOT` (not compile caches) are built
 by one untimed -O0 start first. For each level (`-O`, repeated `-O0 -O2`, or `--levels 0,1,2,3`) it
-reports the median and the spread (max - min) over `--num-runs` runs of the engine's start-up
+reports the median and the spread (max - min) over `--num-runs` runs (or upstream's
+`--num-iters-cold` / `--num-iters-warm`, with `--num-iters-warmup` untimed warm starts first)
+of the engine's start-up
 wall time (from the start of config resolution to ready, as the engine's phase table reports
 it) and of the process time (spawn to ready, Python imports included), plus the median
 seconds of each start-up phase. `--output-json` writes everything.
@@ -39,14 +41,42 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--levels", default=None,
                        help="Comma-separated levels to measure, e.g. 0,1,2,3 (default: the "
                        "-O flags, which may be repeated: -O0 -O2; else 2).")
-    group.add_argument("--num-runs", type=int, default=3,
+    group.add_argument("--num-runs", type=_positive, default=3,
                        help="Cold runs and warm runs per level (each a fresh process).")
+    group.add_argument("--num-iters-cold", type=_positive, default=None,
+                       help="Cold runs per level (upstream's name; default: --num-runs).")
+    group.add_argument("--num-iters-warm", type=_positive, default=None,
+                       help="Timed warm runs per level (upstream's name; default: --num-runs).")
+    group.add_argument("--num-iters-warmup", type=_non_negative, default=0,
+                       help="Untimed warm starts before the timed ones (default: 0; the cold "
+                       "runs already filled the caches).")
     group.add_argument("--timeout", type=float, default=1800.0,
                        help="Seconds one start may take before it counts as failed.")
     group.add_argument("--keep-cache-dirs", action="store_true",
                        help="Do not delete the temporary cache directories.")
     group.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _iterations(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(cold runs, untimed warm-ups, timed warm runs) per level."""
+    cold = args.num_iters_cold if args.num_iters_cold is not None else args.num_runs
+    warm = args.num_iters_warm if args.num_iters_warm is not None else args.num_runs
+    return cold, args.num_iters_warmup, warm
 
 
 def _levels(args: argparse.Namespace) -> list[int]:
@@ -118,20 +148,24 @@ def _stats(values: list[float]) -> dict[str, float]:
             "spread": max(values) - min(values)}
 
 
-def measure_level(engine_kwargs: dict[str, Any], level: int, num_runs: int, timeout: float,
-                  keep: bool) -> dict[str, Any]:
+def measure_level(engine_kwargs: dict[str, Any], level: int, iterations: tuple[int, int, int],
+                  timeout: float, keep: bool) -> dict[str, Any]:
+    """`iterations`: (cold runs, untimed warm-up starts, timed warm runs)."""
+    num_cold, num_warmup, num_warm = iterations
     kwargs = dict(engine_kwargs, optimization_level=level)
     dirs: list[str] = []
     runs: dict[str, list[dict[str, Any]]] = {"cold": [], "warm": []}
     try:
-        for _ in range(num_runs):
+        for _ in range(num_cold):
             root = tempfile.mkdtemp(prefix=f"vllm-startup-O{level}-")
             dirs.append(root)
             runs["cold"].append(start_once(kwargs, os.path.join(root, "vllm"),
                                            os.path.join(root, "inductor"), timeout))
-        for _ in range(num_runs):
-            runs["warm"].append(start_once(kwargs, os.path.join(dirs[0], "vllm"),
-                                           os.path.join(dirs[0], "inductor"), timeout))
+        for i in range(num_warmup + num_warm):
+            run = start_once(kwargs, os.path.join(dirs[0], "vllm"),
+                             os.path.join(dirs[0], "inductor"), timeout)
+            if i >= num_warmup:
+                runs["warm"].append(run)
     finally:
         if not keep:
             for root in dirs:
@@ -153,16 +187,20 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-startup-prime-") as root:
         start_once(dict(engine_kwargs, optimization_level=0), os.path.join(root, "vllm"),
                    os.path.join(root, "inductor"), args.timeout)
+    iterations = _iterations(args)
+    num_cold, num_warmup, num_warm = iterations
     results = []
     for level in _levels(args):
-        print(f"-O{level}: {args.num_runs} cold + {args.num_runs} warm starts ...", flush=True)
-        results.append(measure_level(engine_kwargs, level, args.num_runs, args.timeout,
+        warmup = f" (after {num_warmup} untimed)" if num_warmup else ""
+        print(f"-O{level}: {num_cold} cold + {num_warm} warm starts{warmup} ...", flush=True)
+        results.append(measure_level(engine_kwargs, level, iterations, args.timeout,
                                      args.keep_cache_dirs))
     print(format_table(results))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"model": args.model, "num_runs": args.num_runs, "levels": results}, f,
-                      indent=1)
+            json.dump({"model": args.model, "num_iters_cold": num_cold,
+                       "num_iters_warmup": num_warmup, "num_iters_warm": num_warm,
+                       "levels": results}, f, indent=1)
     return 0
 
 
