@@ -35,19 +35,20 @@ _RESULT = "STARTUP_RESULT "
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import non_negative_int, positive_int
 
     EngineArgs.add_cli_args(parser, repeatable_level=True)
     group = parser.add_argument_group("start-up benchmark")
     group.add_argument("--levels", default=None,
                        help="Comma-separated levels to measure, e.g. 0,1,2,3 (default: the "
                        "-O flags, which may be repeated: -O0 -O2; else 2).")
-    group.add_argument("--num-runs", type=_positive, default=3,
+    group.add_argument("--num-runs", type=positive_int, default=3,
                        help="Cold runs and warm runs per level (each a fresh process).")
-    group.add_argument("--num-iters-cold", type=_positive, default=None,
+    group.add_argument("--num-iters-cold", type=positive_int, default=None,
                        help="Cold runs per level (upstream's name; default: --num-runs).")
-    group.add_argument("--num-iters-warm", type=_positive, default=None,
+    group.add_argument("--num-iters-warm", type=positive_int, default=None,
                        help="Timed warm runs per level (upstream's name; default: --num-runs).")
-    group.add_argument("--num-iters-warmup", type=_non_negative, default=0,
+    group.add_argument("--num-iters-warmup", type=non_negative_int, default=0,
                        help="Untimed warm starts before the timed ones (default: 0; the cold "
                        "runs already filled the caches).")
     group.add_argument("--timeout", type=float, default=1800.0,
@@ -56,20 +57,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Do not delete the temporary cache directories.")
     group.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     return parser
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def _iterations(args: argparse.Namespace) -> tuple[int, int, int]:
