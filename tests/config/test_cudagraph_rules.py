@@ -7,6 +7,7 @@ import pytest
 
 from tests.config import model_configs
 from vllm.config import CompilationMode, CUDAGraphMode, SchedulerConfig, VllmConfig
+from vllm.config.vllm import ATTENTION_OPS
 
 cuda = pytest.mark.parametrize("platform", ["cuda"], indirect=True)
 cpu = pytest.mark.parametrize("platform", ["cpu"], indirect=True)
@@ -80,18 +81,38 @@ def test_cpu_has_no_graphs_and_refuses_explicit_ones(platform):
 
 @cuda
 def test_attn_fusion_needs_attention_inside_the_graph(platform):
+    """Asked for explicitly, the fusion takes attention into one compiled graph: no pieces,
+    full CUDA graphs only; splitting at attention as well is a clear error."""
+    fused = {"pass_config": {"fuse_attn_quant": True}}
     config = VllmConfig(model_config=model_configs.fp8(), optimization_level=2,
-                        compilation_config={"use_inductor_graph_partition": False})
+                        compilation_config=fused)
     cc = config.compilation_config
     assert cc.pass_config.fuse_attn_quant is True
     assert cc.splitting_ops == [] and cc.cudagraph_mode == CUDAGraphMode.FULL
     with pytest.raises(ValueError, match="fuse_attn_quant"):
         VllmConfig(model_config=model_configs.fp8(), optimization_level=2,
-                   compilation_config={"use_inductor_graph_partition": False,
+                   compilation_config={**fused,
                                        "splitting_ops": ["vllm::unified_attention_with_output"]})
-    # The levels leave Inductor graph partition off (as upstream), so the default is the same.
-    default = VllmConfig(model_config=model_configs.fp8(), optimization_level=2)
-    assert default.compilation_config.splitting_ops == []
+
+
+@cuda
+@pytest.mark.parametrize("level", [2, 3])
+def test_level_attn_fusion_gives_way_to_piecewise_graphs(level, platform):
+    """The levels' fusion would leave no CUDA graph with an attention backend that cannot run
+    inside a full one (TORCH_SDPA): the CUDA platform turns it off and keeps the pieces."""
+    config = VllmConfig(model_config=model_configs.fp8(), optimization_level=level)
+    cc = config.compilation_config
+    assert cc.pass_config.fuse_attn_quant is False
+    prov = config.provenance["compilation_config.pass_config.fuse_attn_quant"]
+    assert prov.source == "platform cuda" and "TORCH_SDPA" in prov.reason
+    assert cc.splitting_ops == ATTENTION_OPS
+    assert cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    # The other FP8 fusions stay on.
+    assert cc.pass_config.fuse_norm_quant and cc.pass_config.fuse_act_quant
+    # Without CUDA graphs nothing is lost: the level's fusion stays.
+    no_graphs = VllmConfig(model_config=model_configs.fp8(), optimization_level=level,
+                           compilation_config={"cudagraph_mode": "NONE"})
+    assert no_graphs.compilation_config.pass_config.fuse_attn_quant is True
 
 
 @cuda

@@ -38,6 +38,11 @@ def _load(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls_name)
 
 
+def default_backend() -> type[AttentionBackend]:
+    """The backend layers get when none is named (what config resolution plans for)."""
+    return _load(_DEFAULT)
+
+
 def get_attn_backend(head_size: int, dtype: torch.dtype | None = None,
                      kv_cache_dtype: str | None = None, block_size: int | None = None,
                      backend_name: str | None = None,

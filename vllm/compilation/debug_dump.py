@@ -162,7 +162,7 @@ class DebugDumper:
             lines = ["# Compilation debug dump", "",
                      "What the compiler saw and did, in order. Graphs are Python (FX) code.", ""]
             if self._failure:
-                lines += [f"**{self._failure}**: see `failure.txt`. Entries after the failing stage "
-                          "were not reached.", ""]
+                lines += [f"**{self._failure}**: see `failure.txt`. Entries after the failing "
+                          "stage were not reached.", ""]
             lines += [f"- `{rel}`: {desc}" for rel, desc in self._entries.items()]
         _write(os.path.join(self.dir, "index.md"), "\n".join(lines) + "\n")

@@ -26,6 +26,34 @@ class CudaPlatform(Platform):
     def support_static_graph_mode(self) -> bool:
         return True
 
+    def apply_level_defaults(self, vllm_config: VllmConfig) -> None:
+        self._keep_piecewise_graphs_over_attn_fusion(vllm_config)
+
+    @staticmethod
+    def _keep_piecewise_graphs_over_attn_fusion(vllm_config: VllmConfig) -> None:
+        """The level's Attention+QuantFP8 fusion (-O2, FP8 models with static scales) needs the
+        attention op inside one compiled graph: no pieces, full CUDA graphs only. With an
+        attention backend that cannot run inside a full graph that leaves no CUDA graph at
+        all, so the pieces (piecewise graphs) win: the fusion saves one copy per layer, the
+        graphs the launch of every op. An explicit user value is never touched."""
+        from vllm.attention.backends.abstract import AttentionCGSupport
+        from vllm.attention.selector import default_backend
+        from vllm.config.compilation import CUDAGraphMode
+
+        path = "compilation_config.pass_config.fuse_attn_quant"
+        prov = vllm_config.provenance.get(path)
+        mode = vllm_config.compilation_config.cudagraph_mode
+        if (not vllm_config.get_path(path) or prov is None or not prov.source.startswith("level")
+                or not mode or mode == CUDAGraphMode.NONE):
+            return
+        backend = default_backend()
+        if backend.cudagraph_support != AttentionCGSupport.NEVER:
+            return
+        vllm_config.platform_set(
+            path, False, f"the {backend.get_name()} attention backend cannot run inside a full "
+            "CUDA graph, and the fusion needs attention inside one compiled graph: piecewise "
+            "CUDA graphs are kept instead")
+
     def get_device_capability(self) -> tuple[int, int] | None:
         if not self.is_available():
             return None

@@ -14,8 +14,8 @@ cached like any other:
     with the graph, the KV cache and the warm-up. When the engine is ready it tells the thread
     to finish (`finish_prepacking_in_background()`) instead of waiting for it: products with a
     weight not prepacked yet take the plain weight's routes (equal up to float rounding), and
-    the thread logs when it is done and ends. On the Qwen2.5-0.5B shape the reorders take ~1 s of the
-    two cores; waiting for them made a warm -O2 start ~0.7 s longer. Steady-state
+    the thread logs when it is done and ends. On the Qwen2.5-0.5B shape the reorders take
+    ~1 s of the two cores; waiting for them made a warm -O2 start ~0.7 s longer. Steady-state
     measurements call `wait_for_prepacking()` first;
   - compiled models call the dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py,
     `cpu_linear_op`) for every float32 CPU linear, prepacked or not. It computes with the copy
