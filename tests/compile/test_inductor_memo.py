@@ -9,7 +9,15 @@ import pytest
 from torch._inductor import config as inductor_config
 from torch._inductor import cpu_vec_isa
 
-from vllm.compilation.inductor_memo import MEMO, TORCH_KEY_MEMO, pick_vec_isa, prefill_torch_key
+from vllm.compilation import inductor_memo
+from vllm.compilation.inductor_memo import (
+    MEMO,
+    PCH_MEMO,
+    TORCH_KEY_MEMO,
+    memoize_precompiled_header,
+    pick_vec_isa,
+    prefill_torch_key,
+)
 
 
 def _forget_probes() -> None:
@@ -112,3 +120,59 @@ def test_prewarm_imports_inductor_off_the_main_thread(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+class _Isa:
+    """Like Inductor's VecISA options: a repr with an address, a stable str."""
+
+    def __str__(self) -> str:
+        return "avx2"
+
+
+def _codecache(tmp_path, calls):
+    """A stand-in for torch._inductor.codecache in a new process: its `_precompile_header`
+    (the preprocessor run and the build) counts its calls and leaves `<path>` + `.gch`."""
+    def precompile_header(header, cmd_line, **options):
+        calls.append(header)
+        path = tmp_path / "pch" / f"{header.replace('/', '_')}.h"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"#include <{header}>")
+        (tmp_path / "pch" / f"{path.name}.gch").write_text("compiled")
+        return str(path)
+
+    return type("codecache", (), {"_precompile_header": staticmethod(precompile_header)})
+
+
+def test_precompiled_header_check_is_answered_from_the_memo(tmp_path, monkeypatch):
+    memo = tmp_path / "memo"
+    calls: list[str] = []
+    args = ("torch/csrc/inductor/cpp_prefix.h", "g++ -O3")
+
+    first = _codecache(tmp_path, calls)
+    memoize_precompiled_header(str(memo), first)
+    path = first._precompile_header(*args, vec_isa=_Isa(), shared=True)
+    assert calls == ["torch/csrc/inductor/cpp_prefix.h"] and (memo / PCH_MEMO).is_file()
+    memoize_precompiled_header(str(memo), first)  # installed once: no double wrapping
+    assert first._precompile_header(*args, vec_isa=_Isa(), shared=True) == path
+    assert len(calls) == 1
+
+    later = _codecache(tmp_path, calls)  # a new process: the memo answers
+    memoize_precompiled_header(str(memo), later)
+    assert later._precompile_header(*args, vec_isa=_Isa(), shared=True) == path
+    assert len(calls) == 1
+    # Other flags, a precompiled file that is gone, another torch: Inductor checks again.
+    later._precompile_header(args[0], "g++ -O2", vec_isa=_Isa(), shared=True)
+    assert len(calls) == 2
+    (tmp_path / "pch" / "torch_csrc_inductor_cpp_prefix.h.h.gch").unlink()
+    later._precompile_header(*args, vec_isa=_Isa(), shared=True)
+    assert len(calls) == 3
+    monkeypatch.setattr(inductor_memo, "_torch_fingerprint", lambda: {"torch": "other"})
+    other = _codecache(tmp_path, calls)
+    memoize_precompiled_header(str(memo), other)
+    other._precompile_header(*args, vec_isa=_Isa(), shared=True)
+    assert len(calls) == 4
+    # Without a memo directory (compile cache off) nothing is installed.
+    bare = _codecache(tmp_path, calls)
+    original = bare._precompile_header
+    memoize_precompiled_header(None, bare)
+    assert bare._precompile_header is original

@@ -228,9 +228,9 @@ def start_inductor_prewarm(vllm_config: VllmConfig | None = None) -> None:
     CPU compile or load: probing the CPU's vector ISA (it builds and loads a test library per
     candidate ISA, each in a child process: 1-1.5 s on the dev machines) and hashing torch's
     source (`torch_key()`); both from the memo of an earlier start when the compile cache is
-    on (inductor_memo.py). It then overlaps the weight loading and the Dynamo trace instead
-    of adding to a warm start; `wait_inductor_prewarm()` joins it before the first Inductor
-    call."""
+    on (inductor_memo.py), which also answers the precompiled-header check. It then overlaps
+    the weight loading and the Dynamo trace instead of adding to a warm start;
+    `wait_inductor_prewarm()` joins it before the first Inductor call."""
     global _prewarm
     if _prewarm is not None:
         return
@@ -243,10 +243,15 @@ def start_inductor_prewarm(vllm_config: VllmConfig | None = None) -> None:
 
     def probe() -> None:
         try:
-            from vllm.compilation.inductor_memo import pick_vec_isa, prefill_torch_key
+            from vllm.compilation.inductor_memo import (
+                memoize_precompiled_header,
+                pick_vec_isa,
+                prefill_torch_key,
+            )
 
             pick_vec_isa(memo_dir)
             prefill_torch_key(memo_dir)
+            memoize_precompiled_header(memo_dir)
             # Inductor's compiler and the modules every generated wrapper imports: ~1 s of
             # imports (GIL-bound) that otherwise run on the main thread at the first load.
             import torch._inductor.compile_fx  # noqa: F401
