@@ -4,13 +4,13 @@ Every run is a fresh process that builds the engine (`LLMEngine.from_engine_args
 A cold run gets empty compile caches (ours, `compilation_config.cache_dir`, and Inductor's,
 `TORCHINDUCTOR_CACHE_DIR`); the warm runs then reuse the directories the first cold run
 filled. Kernels built once per machine under `VLLM_CACHE_ROOT` (not compile caches) are built
-by one untimed -O0 start first. For each level (`-O`, repeated `-O0 -O2`, or `--levels 0,1,2,3`) it
-reports the median and the spread (max - min) over `--num-runs` runs (or upstream's
-`--num-iters-cold` / `--num-iters-warm`, with `--num-iters-warmup` untimed warm starts first)
-of the engine's start-up
-wall time (from the start of config resolution to ready, as the engine's phase table reports
-it) and of the process time (spawn to ready, Python imports included), plus the median
-seconds of each start-up phase. `--output-json` writes everything.
+by one untimed -O0 start first. For each level (`-O`, repeated `-O0 -O2`, or
+`--levels 0,1,2,3`) it reports the median and the spread (max - min) over `--num-runs` runs
+(or upstream's `--num-iters-cold` / `--num-iters-warm`, after `--num-iters-warmup` untimed
+warm starts) of the engine's start-up wall time (from the start of config resolution to
+ready, as the engine's phase table reports it) and of the process time (spawn to ready,
+Python imports included), plus the median seconds of each start-up phase. `--output-json`
+writes everything.
 
     vllm bench startup --model demo -O2 --num-runs 3
     vllm bench startup --model demo -O0 -O2
