@@ -72,14 +72,7 @@ def pick_vec_isa(directory: str | None) -> None:
         return
     path = os.path.join(directory, MEMO)
     fingerprint = _fingerprint()
-    saved: dict[str, bool] = {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("fingerprint") == fingerprint:
-            saved = {k: v for k, v in data["results"].items() if isinstance(v, bool)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+    saved = _read_entries(path, fingerprint, "results", bool)
     original = cpu_vec_isa.VecISA.check_build
     seen: dict[str, bool] = {}
 
@@ -100,6 +93,19 @@ def pick_vec_isa(directory: str | None) -> None:
         return
     _write_json(directory, MEMO, {"fingerprint": fingerprint,
                                   "results": {**saved, **seen}})
+
+
+def _read_entries(path: str, fingerprint: Any, field: str, kind: type) -> dict[str, Any]:
+    """The memo's `field` entries of type `kind` when the file at `path` was written under the
+    same fingerprint; otherwise (none yet, another machine or torch, damaged) none."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("fingerprint") == fingerprint:
+            return {k: v for k, v in data[field].items() if isinstance(v, kind)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return {}
 
 
 def _write_json(directory: str, name: str, data: dict[str, Any]) -> None:
@@ -159,17 +165,9 @@ def memoize_precompiled_header(directory: str | None, codecache: Any = None) -> 
     original = getattr(codecache, "_precompile_header", None)
     if directory is None or original is None or getattr(original, "_vllm_memo", False):
         return
-    path = os.path.join(directory, PCH_MEMO)
     fingerprint = json.dumps([_fingerprint(), _torch_fingerprint()], sort_keys=True,
                              default=str)
-    saved: dict[str, str] = {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("fingerprint") == fingerprint:
-            saved = {k: v for k, v in data["headers"].items() if isinstance(v, str)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+    saved = _read_entries(os.path.join(directory, PCH_MEMO), fingerprint, "headers", str)
 
     def precompile_header(*args: Any, **kwargs: Any) -> str:
         # str(), not repr(): an option's repr may hold an address (the vector ISA's does)
