@@ -90,9 +90,9 @@ def worker(args) -> None:
     engine = llm.llm_engine
     cfg = engine.vllm_config.model_config
     model = engine.executor.model
-    on_cpu = model is not None and next(model.parameters()).device.type == "cpu"
-    result["device"] = "cpu" if model is None else str(next(model.parameters()).device)
-    if args.measure and on_cpu:  # the roofline is the CPU's read bandwidth
+    device = torch.device("cpu") if model is None else next(model.parameters()).device
+    result["device"] = str(device)
+    if args.measure and model is not None and device.type == "cpu":  # a CPU roofline
         size = torch.tensor([], dtype=cfg.torch_dtype).element_size()
         kv = 2 * cfg.get_num_layers() * cfg.get_num_kv_heads() * cfg.get_head_size() * size
         result["bytes_per_token"] = bytes_per_token(model, size, 32 + args.max_tokens // 2, kv)

@@ -7,6 +7,7 @@ rows), sample, and return a ModelRunnerOutput.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -196,8 +197,6 @@ class ModelRunner:
         (KV in the reserved block 0) runs the Dynamo trace and compiles the dynamic graph
         (every compile range); then one forward per `compile_sizes` entry compiles its static
         shapes; then the CUDA graphs are captured. At -O0 the forward only warms up."""
-        import contextlib
-
         from vllm.config.compilation import CompilationMode
 
         reports = contextlib.nullcontext()

@@ -38,13 +38,12 @@ class CudaPlatform(Platform):
         graphs the launch of every op. An explicit user value is never touched."""
         from vllm.attention.backends.abstract import AttentionCGSupport
         from vllm.attention.selector import default_backend
-        from vllm.config.compilation import CUDAGraphMode
 
         path = "compilation_config.pass_config.fuse_attn_quant"
         prov = vllm_config.provenance.get(path)
         mode = vllm_config.compilation_config.cudagraph_mode
         if (not vllm_config.get_path(path) or prov is None or not prov.source.startswith("level")
-                or not mode or mode == CUDAGraphMode.NONE):
+                or not mode):  # None or NONE: no CUDA graphs to keep
             return
         backend = default_backend()
         if backend.cudagraph_support != AttentionCGSupport.NEVER:
