@@ -87,6 +87,24 @@ def test_background_prepacking_registers_every_queued_weight():
         torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_no_reordering_while_the_engine_loads():
+    """Reorders running while the engine still loads (weight copies, the KV cache's zero
+    fill) oversubscribed the cores with two OpenMP teams: 4 s more to ready on the Qwen2.5-0.5B
+    shape. Queued weights wait for `finish_prepacking_in_background()` (ready)."""
+    import time
+
+    gc.collect()
+    before = cpl.num_prepacked()
+    weights = [torch.nn.Parameter(torch.randn(64, 32), requires_grad=False) for _ in range(3)]
+    assert all(cpl.prepack_in_background(w) for w in weights)
+    time.sleep(0.2)  # a started thread would have reordered these by now
+    assert not [t for t in threading.enumerate() if t.name == "vllm-prepack"]
+    assert cpl.num_prepacked() == before
+    assert cpl.finish_prepacking_in_background() == 3
+    cpl.wait_for_prepacking()
+    assert cpl.num_prepacked() == before + 3
+
+
 def test_background_thread_ends_with_the_wait():
     """A live thread that ran OpenMP work slows the main thread's parallel regions: the
     prepacking thread must be gone once `wait_for_prepacking` returns."""

@@ -10,12 +10,15 @@ cached like any other:
   - `prepack(weight)` reorders one loaded weight (after loading, once) and hands the copy to
     the C++ linear dispatcher (`vllm_cpu_linear::set_packed`), keyed by the weight's storage,
     until the parameter is freed. The engine queues its weights with `prepack_in_background`
-    as they load: a thread reorders them (the reorder releases the GIL) while start-up goes on
-    with the graph, the KV cache and the warm-up. When the engine is ready it tells the thread
-    to finish (`finish_prepacking_in_background()`) instead of waiting for it: products with a
-    weight not prepacked yet take the plain weight's routes (equal up to float rounding), and
-    the thread logs when it is done and ends. On the Qwen2.5-0.5B shape the reorders take
-    ~1 s of the two cores; waiting for them made a warm -O2 start ~0.7 s longer. Steady-state
+    as they load, and when it is ready (`finish_prepacking_in_background()`) a thread reorders
+    them (the reorder releases the GIL) while the engine serves: products with a weight not
+    prepacked yet take the plain weight's routes (equal up to float rounding), and the thread
+    logs when it is done and ends. On the Qwen2.5-0.5B shape the reorders take ~1 s of the two
+    cores. Waiting for them before ready made a warm -O2 start ~0.7 s longer; reordering while
+    the engine still loaded (the thread started with the first weight) made it 4 s longer with
+    the default 4 GiB KV cache: its OpenMP team and the main thread's (the weight copies, the
+    KV cache's zero fill) oversubscribed the two cores, and the zero fill took 5.2-5.5 s
+    instead of 1.2-1.3 s (8.6 s to ready instead of 4.6 s). Steady-state
     measurements call `wait_for_prepacking()` first;
   - compiled models call the dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py,
     `cpu_linear_op`) for every float32 CPU linear, prepacked or not. It computes with the copy
@@ -79,7 +82,7 @@ def prepack(weight: torch.Tensor) -> bool:
 
 class _Prepacker(threading.Thread):
     """A thread reordering queued weights in queue order until it meets the end marker (None),
-    then ending.
+    then ending. Started only when no more weights come (the engine is ready).
 
     It must not outlive its work: a live thread that has run OpenMP regions (the reorders)
     keeps its own OpenMP team, and the main thread's parallel regions then ran ~2x slower on
@@ -118,9 +121,10 @@ _prepacker_lock = threading.Lock()
 
 
 def prepack_in_background(weight: torch.Tensor) -> bool:
-    """Queue `weight` for `prepack` on the background thread; False when not eligible. Until
-    its copy is registered, products with the weight take the unpacked routes (equal up to
-    float rounding).
+    """Queue `weight` for `prepack` on the background thread, which starts reordering at
+    `finish_prepacking_in_background()`; False when not eligible. Until its copy is
+    registered, products with the weight take the unpacked routes (equal up to float
+    rounding).
     `finish_prepacking_in_background()` or `wait_for_prepacking()` must follow (the thread
     ends then)."""
     global _prepacker
@@ -129,7 +133,6 @@ def prepack_in_background(weight: torch.Tensor) -> bool:
     with _prepacker_lock:
         if _prepacker is None:
             _prepacker = _Prepacker()
-            _prepacker.start()
         _prepacker.jobs.put(weight)
     return True
 
@@ -149,9 +152,9 @@ def _stop_at_exit() -> None:
 
 
 def finish_prepacking_in_background() -> int:
-    """No more weights: the thread prepacks what is queued, logs when it is done, and ends,
-    without anyone waiting (the engine reports ready meanwhile). The number of weights still
-    queued."""
+    """No more weights: the thread starts, prepacks what is queued, logs when it is done, and
+    ends, without anyone waiting (the engine reports ready meanwhile). The number of weights
+    still queued."""
     global _prepacker
     with _prepacker_lock:
         worker, _prepacker = _prepacker, None
@@ -161,6 +164,7 @@ def finish_prepacking_in_background() -> int:
     pending = worker.jobs.qsize()
     worker.finish_requested = time.perf_counter()
     worker.jobs.put(None)
+    worker.start()
     return pending
 
 
