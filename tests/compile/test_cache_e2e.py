@@ -124,11 +124,12 @@ def test_warm_start_in_new_processes(tmp_path, llama):
     assert f"corrupt entry {artifact}" in err_e
     assert e["tokens"] == a["tokens"]
 
-    # A damaged kernel Inductor built (a .so in the entry's Inductor cache, which our
-    # checksums do not cover): the piece that fails to load is recompiled from an emptied
-    # Inductor cache (it would otherwise reuse the damaged file), and the next start hits.
-    kernels = [os.path.join(root, n) for root, _, names in
-               os.walk(os.path.join(directory, "inductor_cache")) for n in names
+    # Damaged kernels: the copies the light entries load (checksummed: caught, counted, the
+    # pieces load the full way) and the ones Inductor built (a .so in the entry's Inductor
+    # cache, which our checksums do not cover): the piece that fails to load is recompiled
+    # from an emptied Inductor cache (it would otherwise reuse the damaged file), and the
+    # next start hits.
+    kernels = [os.path.join(root, n) for root, _, names in os.walk(directory) for n in names
                if n.endswith(".so")]
     assert kernels
     for path in kernels:

@@ -159,8 +159,10 @@ def test_second_instance_loads_the_graph_instead_of_tracing(monkeypatch, tmp_pat
             check(cold, 5)
             check(cold, 4)
         warm = build()
+        # ... and every piece (range and size 4) without Inductor (inductor_light.py).
         with compilation_counter.expect(num_graphs_seen=0, num_graphs_loaded=1,
-                                        num_inductor_compiles=0, num_cache_hits=6):
+                                        num_inductor_compiles=0, num_cache_hits=6,
+                                        num_light_loads=6):
             for n in (5, 1, 4, 9):
                 check(warm, n)
         assert warm._vllm_compile_state.cached_graph is not None

@@ -53,7 +53,10 @@ CHILD = textwrap.dedent("""
             "tokens": [o.outputs[0].token_ids for o in out], "inductor": c.num_inductor_compiles,
             "hits": c.num_cache_hits, "misses": c.num_cache_misses, "corrupt": c.num_cache_corrupt,
             "traces": c.num_graphs_seen, "loaded": c.num_graphs_loaded, "saved": c.num_graphs_saved,
-            "recompiles": c.num_recompiles, "phases": engine.startup_phases,
+            "recompiles": c.num_recompiles, "light": c.num_light_loads,
+            "imported": sorted({m for m in ("torch._dynamo", "torch._inductor")
+                                if m in sys.modules}),
+            "phases": engine.startup_phases,
             "counts": {k: v["count"] for k, v in engine.startup_report["phases"].items()}}))
 
 
@@ -78,9 +81,14 @@ def run(tmp_path, model: str, env: dict | None = None, **options) -> tuple[dict,
     return json.loads(line[len("RESULT "):]), proc.stderr
 
 
-def assert_warm(result: dict, log: str) -> None:
+def assert_warm(result: dict, log: str, nothing_imported: bool = True) -> None:
+    """Every piece also loaded without Inductor (inductor_light.py); `nothing_imported`: so
+    neither Inductor nor Dynamo was imported at all (in the process of rank 0)."""
     assert (result["traces"], result["loaded"], result["inductor"]) == (0, 1, 0), log[-3000:]
     assert (result["hits"], result["misses"], result["recompiles"]) == (NUM_PIECES, 0, 0)
+    assert result["light"] == NUM_PIECES and "hit (without Inductor)" in log, log[-3000:]
+    if nothing_imported:
+        assert result["imported"] == [], result["imported"]
     assert result["phases"]["dynamo tracing"] == 0.0 and "dynamo tracing" not in result["counts"]
     assert result["counts"]["graph loading"] == 1
     assert "Dynamo not run" in log and "compile cache: hit" in log
@@ -120,7 +128,8 @@ def test_tensor_parallel_ranks_keep_their_own_graphs(tmp_path, checkpoints):
         assert os.path.isfile(entry), cold_log[-3000:]
     warm, warm_log = run(tmp_path, path, tensor_parallel_size=2)
     same_key_or_skip(cold_log, warm_log)
-    assert_warm(warm, warm_log)
+    # torch's functional collectives (the logits' all-gather) import Dynamo even eagerly.
+    assert_warm(warm, warm_log, nothing_imported=False)
     assert warm["tokens"] == cold["tokens"] == eager["tokens"]
 
 
@@ -161,3 +170,47 @@ def test_damaged_or_deleted_graph_falls_back_to_dynamo_and_dtype_misses(tmp_path
     assert cache_dir_in(log) != cache_dir_in(cold_log)
     assert (other["traces"], other["loaded"], other["hits"]) == (1, 0, 0), log[-3000:]
     assert other["inductor"] == NUM_PIECES
+
+
+def _light_entries(directory: str) -> list[dict]:
+    entries = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".light.json"):
+            with open(os.path.join(directory, name)) as f:
+                entries.append(json.load(f))
+    return entries
+
+
+@pytest.mark.slow
+def test_a_damaged_light_kernel_is_caught_and_the_next_start_runs_without_inductor(
+        tmp_path, checkpoints):
+    """The cold start describes every piece for loading without Inductor, its kernels copied
+    under their checksums. A copy damaged on disk is caught before it is loaded: counted,
+    the pieces using it load the full way (the same tokens), and are described again, so
+    the start after that runs without Inductor again."""
+    path = checkpoints("llama")
+    cold, cold_log = run(tmp_path, path)
+    directory = cache_dir_in(cold_log)
+    entries = _light_entries(directory)
+    assert len(entries) == NUM_PIECES, cold_log[-3000:]
+    kernel = entries[1]["kernels"][0]["file"]
+    users = sum(any(k["file"] == kernel for k in e["kernels"]) for e in entries)
+    with open(os.path.join(directory, "light_kernels", kernel), "r+b") as f:
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    damaged, log = run(tmp_path, path)
+    same_key_or_skip(cold_log, log)
+    assert "is damaged (size or checksum)" in log, log[-3000:]
+    # (A later piece using the same kernel finds it repaired: the first one's full load
+    # copied Inductor's build again.)
+    assert 1 <= damaged["corrupt"] <= users
+    assert damaged["light"] == NUM_PIECES - damaged["corrupt"]
+    assert (damaged["traces"], damaged["inductor"]) == (0, 0)
+    assert damaged["tokens"] == cold["tokens"]
+
+    warm, log = run(tmp_path, path)
+    assert_warm(warm, log)
+    assert warm["tokens"] == cold["tokens"]

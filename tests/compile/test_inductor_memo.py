@@ -100,23 +100,28 @@ def test_torch_key_is_set_from_the_memo(tmp_path, monkeypatch):
         codecache.torch_key.set(real)
 
 
-def test_prewarm_imports_inductor_off_the_main_thread(tmp_path):
-    """The pre-warm thread imports Inductor's compiler and the modules every generated wrapper
-    imports (~1 s), so the first cached load on the main thread does not (fresh process: the
-    test session has imported them already)."""
+def test_prepare_inductor_imports_the_compiler_once(tmp_path):
+    """`prepare_inductor` (before the first Inductor compile or full load) imports Inductor's
+    compiler and the modules its output code imports, once per process; until it runs (a
+    fresh process, or one whose pieces all load without Inductor) nothing of Inductor is
+    imported by our compilation modules."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
-        "from vllm.compilation.compiler_interface import start_inductor_prewarm, "
-        "wait_inductor_prewarm\n"
-        "assert 'torch._inductor.compile_fx' not in sys.modules\n"
-        "start_inductor_prewarm(None)\n"
-        "wait_inductor_prewarm()\n"
+        "import vllm.compilation.backends, vllm.compilation.graph_cache\n"
+        "from vllm.compilation import compiler_interface as ci, inductor_memo\n"
+        "assert 'torch._inductor' not in sys.modules and 'torch._dynamo' not in sys.modules\n"
+        "calls = []\n"
+        "real = inductor_memo.pick_vec_isa\n"
+        "inductor_memo.pick_vec_isa = lambda d: (calls.append(d), real(d))[1]\n"
+        "ci.prepare_inductor(None)\n"
+        "ci.prepare_inductor(None)\n"
         "missing = [m for m in ('torch._inductor.compile_fx', 'torch._inductor.select_algorithm')"
         " if m not in sys.modules]\n"
-        "assert not missing, missing\n")
+        "assert not missing, missing\n"
+        "assert calls == [None], calls\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -181,20 +181,3 @@ def test_piecewise_cuda_graphs_capture_each_piece_once_per_size():
     wrappers = [v for k, v in split_gm.__dict__.items() if isinstance(v, CUDAGraphWrapper)]
     assert len(wrappers) == 3  # the attention pieces are not wrapped
     assert all(list(w.entries) == [BatchDescriptor(4)] for w in wrappers)
-
-
-def test_first_call_waits_for_the_inductor_prewarm_before_tracing(monkeypatch):
-    """The pre-warm thread imports Inductor and Dynamo; tracing (which imports Dynamo) while
-    it runs once met a partly initialised torch._dynamo module. The first call joins it."""
-    from vllm.compilation import compiler_interface
-
-    order = []
-    monkeypatch.setattr(compiler_interface, "wait_inductor_prewarm",
-                        lambda: order.append("wait"))
-    model = build()
-    backend = model._vllm_compile_state
-    original = type(backend)._mark_dynamic
-    monkeypatch.setattr(type(backend), "_mark_dynamic",
-                        lambda self, bound: (order.append("trace"), original(self, bound))[1])
-    check(model, 3)
-    assert order[:2] == ["wait", "trace"]

@@ -6,6 +6,10 @@ Layout: `<root>/<key[:10]>/rank_<r>/` where root is `compilation_config.cache_di
   <piece>.<range>.bin      Inductor artifacts (`CompiledArtifact.save(format="binary")`)
   inductor_cache/          Inductor's own cache dir while we compile/load (keeps the built
                            C++ objects, so a warm start does not run the C++ compiler again)
+  <piece>.<range>.light.json, light_kernels/<sha256>.so
+                           the same pieces described for loading without Inductor
+                           (inductor_light.py), and their kernels
+  graph.pkl                the traced graph (graph_cache.py: warm starts without Dynamo)
   .lock                    fcntl lock held while one process compiles this key
 
 The key covers everything that changes the compiled code (`VllmConfig.compute_hash()`, torch,
@@ -160,6 +164,11 @@ class CompileCache:
     def inductor_cache_dir(self) -> str:
         return os.path.join(self.directory, "inductor_cache")
 
+    @property
+    def light_kernel_dir(self) -> str:
+        """The kernels of the pieces that load without Inductor (inductor_light.py)."""
+        return os.path.join(self.directory, "light_kernels")
+
     # ---- locking ---------------------------------------------------------------------
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -277,15 +286,24 @@ class CompileCache:
             shutil.rmtree(trash, ignore_errors=True)
         return True
 
-    def store(self, name: str, graph_hash: str, write: Callable[[str], None]) -> str:
-        """Write an entry atomically (`write(tmp_path)` produces the file) and record it."""
+    def store(self, name: str, graph_hash: str, write: Callable[[str], None],
+              count: bool = True) -> str:
+        """Write an entry atomically (`write(tmp_path)` produces the file) and record it
+        (`count`: in `num_cache_saves`)."""
         with self.lock():
             final = self._write_atomic(name, write)
             self._update_manifest(name, {"sha256": _sha256_file(final),
                                          "size": os.path.getsize(final),
                                          "graph_hash": graph_hash})
-        compilation_counter.num_cache_saves += 1
+        if count:
+            compilation_counter.num_cache_saves += 1
         return final
+
+    def remove(self, name: str) -> None:
+        """Forget an entry that is intact but not usable."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path(name))
+        self._update_manifest(name, None)
 
     def record(self, name: str, hit: bool) -> None:
         (self.hits if hit else self.misses).append(name)

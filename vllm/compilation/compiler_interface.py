@@ -98,7 +98,7 @@ def inductor_config_patches(vllm_config: VllmConfig, pass_manager: PostGradPassM
         patches["force_disable_caches"] = True
     patches.update(cc.inductor_compile_config or {})
     if pass_manager is not None:
-        patches["post_grad_custom_post_pass"] = pass_manager
+        patches["post_grad_custom_post_pass"] = pass_manager.as_inductor_pass()
     return patches
 
 
@@ -159,7 +159,7 @@ class InductorCompiler:
             patches["trace.enabled"] = True
             patches["trace.debug_dir"] = os.path.join(dump_dir, "inductor")
             patches["fx_graph_cache"] = False  # a cache hit would write no trace
-        wait_inductor_prewarm()
+        prepare_inductor(self.vllm_config)
         static = compile_range.is_single_size
         start = time.perf_counter()
         with pass_context(compile_range=compile_range, piece_index=piece_index,
@@ -178,11 +178,10 @@ class InductorCompiler:
     def save(artifact: Any, path: str) -> None:
         artifact.save(path=path, format="binary")
 
-    @staticmethod
-    def load(path: str, cache_dir: str | None = None) -> Any:
+    def load(self, path: str, cache_dir: str | None = None) -> Any:
         from torch._inductor import CompiledArtifact
 
-        wait_inductor_prewarm()
+        prepare_inductor(self.vllm_config)
         with inductor_cache_dir(cache_dir):
             return CompiledArtifact.load(path=path, format="binary")
 
@@ -220,28 +219,31 @@ def inductor_cache_dir(directory: str | None):
         yield
 
 
-_prewarm: threading.Thread | None = None
+_inductor_prepared = False
+_prepare_lock = threading.Lock()
 
 
-def start_inductor_prewarm(vllm_config: VllmConfig | None = None) -> None:
-    """Start, in a background thread, what Inductor does once per process before its first
-    CPU compile or load: probing the CPU's vector ISA (it builds and loads a test library per
-    candidate ISA, each in a child process: 1-1.5 s on the dev machines) and hashing torch's
-    source (`torch_key()`); both from the memo of an earlier start when the compile cache is
-    on (inductor_memo.py), which also answers the precompiled-header check. It then overlaps
-    the weight loading and the Dynamo trace instead of adding to a warm start;
-    `wait_inductor_prewarm()` joins it before the first Inductor call."""
-    global _prewarm
-    if _prewarm is not None:
-        return
-    memo_dir = None
-    if vllm_config is not None:
-        from vllm.compilation.cache import cache_disabled_reason, cache_root
+def prepare_inductor(vllm_config: VllmConfig | None = None) -> None:
+    """What Inductor does once per process before its first CPU compile or full load, done
+    from the memo of an earlier start when the compile cache is on (inductor_memo.py):
+    probing the CPU's vector ISA (it builds and loads a test library per candidate ISA, each
+    in a child process: 1-1.5 s on the dev machines), hashing torch's source (`torch_key()`)
+    and the precompiled-header check. It also imports Inductor's compiler and the modules its
+    output code imports (~1.4 s, Dynamo included). Called on the first need only, so that a
+    warm start whose pieces all load without Inductor (inductor_light.py) never pays it. (A
+    background thread started with the weight loading saved nothing on 2 cores: its imports
+    slowed the weight copies by as much.)"""
+    global _inductor_prepared
+    with _prepare_lock:
+        if _inductor_prepared:
+            return
+        _inductor_prepared = True
+        memo_dir = None
+        if vllm_config is not None:
+            from vllm.compilation.cache import cache_disabled_reason, cache_root
 
-        if cache_disabled_reason(vllm_config) is None:
-            memo_dir = cache_root(vllm_config)
-
-    def probe() -> None:
+            if cache_disabled_reason(vllm_config) is None:
+                memo_dir = cache_root(vllm_config)
         try:
             from vllm.compilation.inductor_memo import (
                 memoize_precompiled_header,
@@ -252,20 +254,10 @@ def start_inductor_prewarm(vllm_config: VllmConfig | None = None) -> None:
             pick_vec_isa(memo_dir)
             prefill_torch_key(memo_dir)
             memoize_precompiled_header(memo_dir)
-            # Inductor's compiler and the modules every generated wrapper imports: ~1 s of
-            # imports (GIL-bound) that otherwise run on the main thread at the first load.
             import torch._inductor.compile_fx  # noqa: F401
             import torch._inductor.select_algorithm  # noqa: F401
         except Exception as e:  # the real compile or load will meet (and report) the problem
-            logger.debug("Inductor pre-warm failed: %s", e)
-
-    _prewarm = threading.Thread(target=probe, name="vllm-inductor-prewarm", daemon=True)
-    _prewarm.start()
-
-
-def wait_inductor_prewarm() -> None:
-    if _prewarm is not None:
-        _prewarm.join()
+            logger.debug("Inductor preparation failed: %s", e)
 
 
 def _dynamic_shapes_source(example_inputs: list[Any]) -> str:

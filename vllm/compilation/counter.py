@@ -31,6 +31,9 @@ class CompilationCounter:
     """Piece compiles served by an identical piece's compiled code (same graph and shapes)."""
     num_eager_compiles: int = 0
     """Pieces prepared with the "eager" backend (traced to ATen and passed through the passes)."""
+    num_light_loads: int = 0
+    """Compiled pieces loaded from the compile cache without importing Inductor (their
+    light entries: inductor_light.py)."""
     num_cache_hits: int = 0
     num_cache_misses: int = 0
     num_cache_corrupt: int = 0

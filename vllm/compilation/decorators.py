@@ -227,12 +227,6 @@ class _CompileState:
                        type(self.model_ref).__name__, reason)
 
     def _first_call(self, args: tuple, kwargs: dict) -> Any:
-        from vllm.compilation.compiler_interface import wait_inductor_prewarm
-
-        # The pre-warm thread imports Inductor (and through it Dynamo): importing the same
-        # modules from this thread meanwhile can hand one of them a partly initialised module
-        # (seen: "torch._dynamo.convert_frame has no attribute convert_frame_assert").
-        wait_inductor_prewarm()
         bound = self.signature.bind(self.model_ref, *args, **kwargs)
         if self.mode == CompilationMode.VLLM_COMPILE and not self._graph_load_tried:
             self._graph_load_tried = True

@@ -352,7 +352,12 @@ def _load_piece(backend: VllmBackend, piece_index: int, compile_range: Range, ke
         if path is None:
             details["cache"] = "missing"
             raise FileNotFoundError(f"{name} is missing or damaged")
-        artifact = backend.compiler.load(path, cache.inductor_cache_dir)
+        artifact = backend.load_light(name, key)
+        if artifact is not None:
+            details["cache"] = "hit (without Inductor)"
+        else:
+            artifact = backend.compiler.load(path, cache.inductor_cache_dir)
+            backend.save_light(name, key, path)
     cache.record(name, hit=True)
     backend.share(key, piece_index, artifact)
     return artifact

@@ -4,11 +4,14 @@ Adding a pass is one line in `PASS_REGISTRY`: (PassConfig flag, "module:Class").
 imported only when its flag is on and is built as `Class()` or `Class(vllm_config)`.
 `PostCleanupPass` and then `FixFunctionalizationPass` always run last, in that order.
 
-The manager is installed as Inductor's `post_grad_custom_post_pass` (so its `uuid()` is part of
-Inductor's cache key) and is called directly by the "eager" backend on the AOTAutograd graph.
+The manager is installed as Inductor's `post_grad_custom_post_pass` through `as_inductor_pass()`
+(so its `uuid()` is part of Inductor's cache key) and is called directly by the "eager" backend
+on the AOTAutograd graph. This module does not import Inductor (which imports Dynamo, ~1.4 s):
+a warm start that loads every piece without Inductor builds the manager too.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -21,11 +24,6 @@ from vllm.compilation.inductor_pass import VllmInductorPass, get_pass_context, s
 from vllm.compilation.passes.fix_functionalization import FixFunctionalizationPass
 from vllm.compilation.passes.post_cleanup import PostCleanupPass
 from vllm.logger import init_logger
-
-try:
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-except ImportError:  # pragma: no cover
-    CustomGraphPass = object  # type: ignore[misc,assignment]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,7 +48,7 @@ def _build(path: str, vllm_config: VllmConfig | None) -> VllmInductorPass:
     return cls(vllm_config) if takes_config else cls()
 
 
-class PostGradPassManager(CustomGraphPass):
+class PostGradPassManager:
     """Runs the configured passes in order on one graph; reports matches per pass."""
 
     def __init__(self) -> None:
@@ -121,6 +119,11 @@ class PostGradPassManager(CustomGraphPass):
         """Rewrites per pass over this process (the fusion tests read these)."""
         return {p.name: p.total_matched for p in self.all_passes()}
 
+    def as_inductor_pass(self) -> object:
+        """This manager as an Inductor `CustomGraphPass` (Inductor's FX graph cache takes its
+        `uuid()` into the key only from one)."""
+        return _inductor_pass_class()(self)
+
     def uuid(self) -> str:
         """Changes with any pass flag, any pass's source, the set of passes and the compile
         range the passes see."""
@@ -128,3 +131,22 @@ class PostGradPassManager(CustomGraphPass):
         parts = [self.pass_config_hash, source_hash(type(self)), str(ctx.compile_range)]
         parts += [f"{p.name}:{p.uuid()}" for p in self.all_passes()]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+@functools.cache
+def _inductor_pass_class() -> type:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class InductorPostGradPass(CustomGraphPass):
+        """A `PostGradPassManager` as Inductor's post-grad custom pass."""
+
+        def __init__(self, manager: PostGradPassManager) -> None:
+            self.manager = manager
+
+        def __call__(self, graph: fx.Graph) -> None:
+            self.manager(graph)
+
+        def uuid(self) -> str:
+            return self.manager.uuid()
+
+    return InductorPostGradPass

@@ -122,14 +122,6 @@ class Worker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     def load_model(self, load_format: str = "auto") -> None:
-        from vllm.config.compilation import CompilationMode
-
-        cc = self.vllm_config.compilation_config
-        if (cc.mode == CompilationMode.VLLM_COMPILE and cc.backend == "inductor"
-                and self.device.type == "cpu"):
-            from vllm.compilation.compiler_interface import start_inductor_prewarm
-
-            start_inductor_prewarm(self.vllm_config)  # overlaps the weight loading
         self.model_runner.load_model(load_format)
 
     def determine_num_blocks(self) -> int:

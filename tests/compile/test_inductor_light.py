@@ -1,0 +1,122 @@
+"""Inductor output code rewritten to run without importing Inductor (inductor_light.py): what
+the rewrite keeps, replaces and refuses. Real pieces loaded this way are tested in
+test_graph_cache.py (in one process) and test_graph_cache_e2e.py (warm starts in new
+processes)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.compilation import inductor_light
+from vllm.compilation.inductor_light import NotLight, rewrite
+
+OUTPUT_CODE = '''"""
+Compile-time auto-tuning block:
+from torch._inductor.select_algorithm import AlgorithmSelectorCache
+"""
+# AOT ID: ['0_inference']
+from ctypes import c_void_p, c_long, c_int
+import torch
+import math
+from torch._inductor.hooks import run_intermediate_hooks
+from torch._inductor.utils import maybe_profile
+from torch._inductor.codegen.memory_planning import _align as align
+from torch import device, empty_strided
+from torch._inductor.async_compile import AsyncCompile
+from torch._inductor.select_algorithm import extern_kernels
+
+aten = torch.ops.aten
+empty_strided_cpu = torch._C._dynamo.guards._empty_strided_cpu
+async_compile = AsyncCompile()
+
+
+cpp_fused_double_0 = async_compile.cpp_pybinding(['const float*', 'float*', 'const int64_t'], r\'\'\'
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0) {}
+\'\'\')
+
+
+async_compile.wait(globals())
+del async_compile
+
+class Runner:
+    def __init__(self, partitions):
+        self.partitions = partitions
+
+    def call(self, args):
+        arg0_1, arg1_1, s0 = args
+        args.clear()
+        buf0 = empty_strided_cpu((s0, 4), (4, 1), torch.float32)
+        cpp_fused_double_0(arg0_1, buf0, s0)
+        buf1 = empty_strided_cpu((s0, 4), (4, 1), torch.float32)
+        extern_kernels.mm(buf0, arg1_1, out=buf1)
+        return (buf1, align(s0 * 4))
+
+runner = Runner(partitions=[])
+call = runner.call
+
+
+def get_args():
+    from torch._dynamo.testing import rand_strided
+    return []
+
+
+def benchmark_compiled_module(args, times=10, repeat=10):
+    from torch._inductor.utils import print_performance
+    return print_performance(lambda: call(list(args)), times=times, repeat=repeat)
+
+
+if __name__ == "__main__":
+    from torch._inductor.wrapper_benchmark import compiled_module_main
+    compiled_module_main('None', benchmark_compiled_module)
+'''
+
+
+def test_rewrite_replaces_inductor_and_keeps_the_call():
+    source, kernels, extern, uses_align = rewrite(OUTPUT_CODE)
+    assert kernels == ["cpp_fused_double_0"] and extern == ["mm"] and uses_align
+    for gone in ("torch._inductor", "torch._dynamo", "async_compile", "AsyncCompile",
+                 "extern \"C\"", "get_args", "benchmark_compiled_module", "__main__"):
+        assert gone not in source, gone
+
+    def double(src, out, n):  # what the built kernel does, in Python
+        out.copy_(src * 2)
+
+    light = SimpleNamespace(kernels={"cpp_fused_double_0": double},
+                            extern_kernels=SimpleNamespace(mm=torch.mm),
+                            align=lambda n: (n + 63) & -64)
+    namespace = {"__vllm_light__": light}
+    exec(compile(source, "<test>", "exec"), namespace)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    out, aligned = namespace["call"]([x, w, 3])
+    torch.testing.assert_close(out, (x * 2) @ w)
+    assert aligned == 64
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("from torch._inductor.select_algorithm import extern_kernels",
+     "from torch._inductor.runtime.triton_helpers import libdevice"),
+    ("cpp_fused_double_0 = async_compile.cpp_pybinding(",
+     "cpp_fused_double_0 = async_compile.triton('k', "),
+    ("        return (buf1, align(s0 * 4))",
+     "        with maybe_profile(True):\n            pass\n        return (buf1, align(s0 * 4))"),
+    ("        args.clear()",
+     "        args.clear()\n        import torch._inductor.config"),
+])
+def test_rewrite_refuses_what_it_does_not_know(change, reason):
+    assert change in OUTPUT_CODE
+    with pytest.raises(NotLight):
+        rewrite(OUTPUT_CODE.replace(change, reason))
+
+
+def test_load_checks_kernel_files_and_the_torch_version(tmp_path):
+    record = {"format": inductor_light.FORMAT, "torch": torch.__version__, "source": "",
+              "kernels": [{"var": "k", "module": "m.kernel", "attr": "kernel",
+                           "file": "k.so", "size": 3, "sha256": "0" * 64}],
+              "extern": {}, "align_bytes": None}
+    (tmp_path / "k.so").write_bytes(b"abc")
+    with pytest.raises(inductor_light.DamagedKernel, match="k.so is damaged"):
+        inductor_light.load(record, str(tmp_path))
+    with pytest.raises(ValueError, match="another format or torch version"):
+        inductor_light.load({**record, "torch": "0.0"}, str(tmp_path))

@@ -1,0 +1,370 @@
+"""Compiled CPU pieces run without importing Inductor (warm starts).
+
+Importing anything under `torch._inductor` imports Dynamo with it: ~1.4 s on the dev
+machines, more than everything else a warm -O2 start adds to an -O0 one. Running a compiled
+CPU piece needs neither. Inductor's output code is a Python module whose `call(args)`
+allocates buffers and calls C++ kernels, each built as a Python extension module (a `.so` in
+the compile-cache entry's Inductor cache), and a few torch ops. So once a piece has been
+compiled or loaded the full way, `describe()` writes down what running it again takes:
+  source   the output code, rewritten: the values it imported from Inductor come from us,
+           each kernel's build call becomes the already built kernel, and the benchmark
+           harness at its end is gone;
+  kernels  per kernel: its extension module's name, and a copy of its file kept under its
+           sha256 in our own directory (`kernel_dir`): Inductor may build the same kernel
+           again into its cache (two processes compiling at once both do), and the builds
+           differ byte-wise;
+  extern   the torch functions the code calls as `extern_kernels.<name>`;
+and `load()` runs it: a `LightPiece`, called like the full artifact (outputs as a list,
+autograd off). Only pieces whose runtime wrappers do nothing at inference are described: no
+input mutated, no output that aliases another tensor, no effect tokens, RNG state or tensor
+subclasses, no inputs to realign, no constants (freezing), CPU only, one graph in the FX
+cache entry. Anything else raises `NotLight` (the piece keeps loading the full way), as
+does output code using something this module does not know.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+FORMAT = 1
+_LIGHT = "__vllm_light__"
+"""The name the rewritten source reads the kernels, extern functions and `align` from."""
+
+_PLAIN_MODULES = frozenset({"cmath", "ctypes", "math", "os", "random", "tempfile", "torch"})
+"""Modules output code may import as they are."""
+_PROVIDED = {("torch._inductor.select_algorithm", "extern_kernels"): "extern_kernels",
+             ("torch._inductor.codegen.memory_planning", "_align"): "align"}
+"""Inductor values output code imports that we provide: (module, name) -> our attribute."""
+_UNUSED_IMPORTS = {("torch._inductor.hooks", "run_intermediate_hooks"),
+                   ("torch._inductor.utils", "maybe_profile"),
+                   ("torch._inductor.async_compile", "AsyncCompile")}
+"""Inductor values output code imports that a piece may hold only if it never uses them."""
+_HARNESS = frozenset({"get_args", "benchmark_compiled_module"})
+
+
+class NotLight(Exception):
+    """This piece cannot run without Inductor (the reason is the message)."""
+
+
+class DamagedKernel(ValueError):
+    """A kernel file differs from the one described (size or checksum)."""
+
+
+# ---- describing (Inductor is loaded: the piece was just compiled or loaded) ---------------
+def describe(artifact_path: str, inductor_cache_dir: str, kernel_dir: str) -> dict[str, Any]:
+    """What `load` needs to run the piece saved at `artifact_path` (a standalone-compile
+    binary artifact whose Inductor cache is `inductor_cache_dir`); its kernels are copied
+    into `kernel_dir`. Raises `NotLight`."""
+    from vllm.compilation.compiler_interface import inductor_cache_dir as use_cache_dir
+
+    with use_cache_dir(inductor_cache_dir):
+        entry = _autograd_entry(artifact_path)
+        _check_wrappers(entry)
+        graph = _fx_graph(entry)
+        _check_graph(graph)
+        source, kernel_names, extern_names, uses_align = rewrite(graph.source_code)
+        kernels = _kernel_files(graph.source_code, kernel_names, inductor_cache_dir,
+                                kernel_dir)
+    from torch._inductor import utils as inductor_utils
+
+    return {"format": FORMAT, "torch": torch.__version__, "source": source,
+            "kernels": kernels, "extern": {name: _extern_path(name) for name in extern_names},
+            "align_bytes": inductor_utils.ALIGN_BYTES if uses_align else None}
+
+
+def _autograd_entry(artifact_path: str) -> Any:
+    import torch._inductor.config as inductor_config
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor.standalone_compile import CacheCompiledArtifact
+    from torch.utils._appending_byte_serializer import BytesReader
+
+    with open(artifact_path, "rb") as f:
+        reader = BytesReader(f.read())
+    if reader.read_bytes() != CacheCompiledArtifact.CACHE_HEADER:
+        raise NotLight("the artifact is not in the cache-entry format")
+    reader.read_bytes()  # torch's key: the full load checked it
+    key = reader.read_str()
+    with inductor_config.patch(unsafe_skip_cache_dynamic_shape_guards=True), \
+            torch._functorch.config.patch(strict_autograd_cache=True):
+        found = AOTAutogradCache._lookup(key, local=True, remote=False, args=[],
+                                         cache_info={}, aot_config=None)
+    if found is None:
+        raise NotLight("its AOTAutograd entry is not in the Inductor cache")
+    return found[0]
+
+
+def _check_wrappers(entry: Any) -> None:
+    """What AOTAutograd wraps around the compiled graph must be a plain call."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    meta = entry.runtime_metadata
+    problems = []
+    if getattr(entry, "compiled_bw", None) is not None:
+        problems.append("it has a backward graph")
+    if any(info.mutates_data or info.mutates_metadata
+           or getattr(info, "mutates_storage_metadata", False) for info in meta.input_info):
+        problems.append("it mutates an input")
+    if any(info.output_type != OutputType.non_alias for info in meta.output_info):
+        problems.append("an output aliases another tensor")
+    if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized:
+        problems.append("it returns intermediate bases, effect tokens or RNG state")
+    if entry.maybe_subclass_meta is not None:
+        problems.append("it takes or returns tensor subclasses")
+    if any(getattr(w, "needs_post_compile", True) for w in entry.dispatch_wrappers):
+        problems.append("its arguments are deduplicated or rebased")
+    if problems:
+        raise NotLight("; ".join(problems))
+
+
+def _fx_graph(entry: Any) -> Any:
+    import pickle
+
+    from torch._inductor.codecache import FxGraphCache
+
+    key = entry.compiled_fw.fx_graph_cache_info[0]
+    directory = FxGraphCache._get_tmp_dir_for_key(key)
+    try:
+        files = sorted(os.listdir(directory))
+    except OSError:
+        files = []
+    if len(files) != 1:
+        raise NotLight(f"{len(files)} graphs under its FX cache key (one expected)")
+    with open(os.path.join(directory, files[0]), "rb") as f:
+        return pickle.load(f)
+
+
+def _check_graph(graph: Any) -> None:
+    problems = []
+    if set(graph.device_types) != {"cpu"}:
+        problems.append(f"it runs on {sorted(graph.device_types)}")
+    if graph.mutated_input_idxs or graph.inputs_to_check:
+        problems.append("its inputs are realigned or written back")
+    if graph.constants or getattr(graph, "frozen_param_names", None) \
+            or getattr(graph, "torchbind_constants", None):
+        problems.append("it holds constants")
+    if getattr(graph, "cudagraph_info", None) is not None:
+        problems.append("it has CUDA-graph info")
+    if not graph.source_code:
+        problems.append("it has no output code")
+    if problems:
+        raise NotLight("; ".join(problems))
+
+
+def rewrite(source: str) -> tuple[str, list[str], list[str], bool]:
+    """Output code -> (code runnable without Inductor, the kernel variables it reads from
+    `__vllm_light__.kernels`, the `extern_kernels` attributes it uses, whether it uses
+    `align`). Raises `NotLight` for anything it does not know."""
+    tree = ast.parse(source)
+    body: list[ast.stmt] = []
+    kernels: list[str] = []
+    dropped: set[str] = set()
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # the docstring (the autotuning block, as text)
+        if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith(
+                ("torch._inductor", "torch._dynamo")):
+            for alias in stmt.names:
+                pair = (stmt.module, alias.name)
+                local = alias.asname or alias.name
+                if pair in _PROVIDED:
+                    body.append(_assign(local, _light_attr(_PROVIDED[pair])))
+                elif pair in _UNUSED_IMPORTS:
+                    dropped.add(local)
+                else:
+                    raise NotLight(f"its output code imports {alias.name} from {stmt.module}")
+            continue
+        if _is_async_compile_stmt(stmt):
+            continue
+        kernel = _kernel_build(stmt)
+        if kernel is not None:
+            kernels.append(kernel)
+            body.append(_assign(kernel, ast.Subscript(value=_light_attr("kernels"),
+                                                      slice=ast.Constant(kernel),
+                                                      ctx=ast.Load())))
+            continue
+        if isinstance(stmt, ast.FunctionDef) and stmt.name in _HARNESS:
+            continue
+        if isinstance(stmt, ast.If) and "__main__" in ast.unparse(stmt.test):
+            continue
+        body.append(stmt)
+    module = ast.Module(body=body, type_ignores=[])
+    extern, uses_align = set(), False
+    for node in ast.walk(module):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names])
+            for name in names:
+                if name.split(".")[0] not in _PLAIN_MODULES or name.startswith("torch._"):
+                    raise NotLight(f"its output code imports {name}")
+        elif isinstance(node, ast.Name):
+            if node.id in dropped or node.id in ("async_compile", "AsyncCompile"):
+                raise NotLight(f"its output code uses {node.id}")
+            uses_align = uses_align or (node.id == "align" and isinstance(node.ctx, ast.Load))
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "extern_kernels"):
+            extern.add(node.attr)
+    if "call" not in {getattr(s, "name", None) for s in body} and not any(
+            isinstance(s, ast.Assign) and any(getattr(t, "id", None) == "call"
+                                              for t in s.targets) for s in body):
+        raise NotLight("its output code defines no call()")
+    return ast.unparse(ast.fix_missing_locations(module)), kernels, sorted(extern), uses_align
+
+
+def _assign(name: str, value: ast.expr) -> ast.Assign:
+    return ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=value, lineno=0)
+
+
+def _light_attr(attr: str) -> ast.Attribute:
+    return ast.Attribute(value=ast.Name(id=_LIGHT, ctx=ast.Load()), attr=attr, ctx=ast.Load())
+
+
+def _is_async_compile_stmt(stmt: ast.stmt) -> bool:
+    """`async_compile = AsyncCompile()`, `async_compile.wait(globals())`,
+    `del async_compile`."""
+    text = ast.unparse(stmt)
+    return text in ("async_compile = AsyncCompile()", "async_compile.wait(globals())",
+                    "del async_compile")
+
+
+def _kernel_build(stmt: ast.stmt) -> str | None:
+    """The variable of `NAME = async_compile.cpp_pybinding(...)`, else None."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name) and isinstance(stmt.value, ast.Call)):
+        return None
+    func = stmt.value.func
+    if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+            and func.value.id == "async_compile"):
+        if func.attr != "cpp_pybinding":
+            raise NotLight(f"its output code builds a kernel with async_compile.{func.attr}")
+        return stmt.targets[0].id
+    return None
+
+
+def _kernel_files(source: str, names: list[str], inductor_cache_dir: str, kernel_dir: str
+                  ) -> list[dict[str, Any]]:
+    """Each built kernel's extension module, copied into `kernel_dir`: Inductor loads the
+    output code (from its own cache: the piece was just loaded) and we read each kernel's
+    module."""
+    import shutil
+    import tempfile
+
+    from torch._inductor.codecache import PyCodeCache
+
+    module = PyCodeCache.load(source)
+    # A kernel module loaded earlier in this process may be one of our copies (Inductor
+    # reuses loaded kernel modules by name).
+    roots = tuple(os.path.realpath(d) + os.sep for d in (inductor_cache_dir, kernel_dir))
+    os.makedirs(kernel_dir, exist_ok=True)
+    kernels = []
+    for name in names:
+        fn = getattr(module, name, None)
+        ext = getattr(fn, "__self__", None)
+        path = os.path.realpath(getattr(ext, "__file__", None) or "")
+        if not path.startswith(roots) or not callable(fn):
+            raise NotLight(f"kernel {name} is not a built extension in the compile cache")
+        fd, tmp = tempfile.mkstemp(dir=kernel_dir, suffix=".tmp")
+        os.close(fd)
+        try:
+            shutil.copyfile(path, tmp)
+            digest = _sha256(tmp)
+            size = os.path.getsize(tmp)
+            os.replace(tmp, os.path.join(kernel_dir, f"{digest}.so"))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        kernels.append({"var": name, "module": ext.__name__, "attr": fn.__name__,
+                        "file": f"{digest}.so", "size": size, "sha256": digest})
+    return kernels
+
+
+def _extern_path(name: str) -> list[str]:
+    """How to find `extern_kernels.<name>` without Inductor: ["torch", fn] or
+    ["op", namespace, op, overload]."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    value = getattr(extern_kernels, name)
+    if getattr(torch, name, None) is value:
+        return ["torch", name]
+    if isinstance(value, torch._ops.OpOverload):
+        return ["op", value.namespace, value._opname, value._overloadname]
+    raise NotLight(f"extern kernel {name} is {value!r}")
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---- loading (no Inductor) -----------------------------------------------------------------
+class LightPiece:
+    """A compiled piece's `call` run directly: called like the full artifact."""
+
+    def __init__(self, call: Callable[[list[Any]], Any], name: str) -> None:
+        self._call = call
+        self.name = name
+
+    def __call__(self, *args: Any) -> list[Any]:
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return list(self._call(list(args)))
+        return list(self._call(list(args)))
+
+
+def load(record: dict[str, Any], kernel_dir: str, name: str = "piece") -> LightPiece:
+    """The piece `record` (from `describe`) describes, its kernels from `kernel_dir`.
+    Raises `DamagedKernel`, or OSError, ValueError, ImportError ... when a file is missing
+    or from another torch."""
+    if record.get("format") != FORMAT or record.get("torch") != torch.__version__:
+        raise ValueError("described by another format or torch version")
+    # What the kernels' module init reads (Inductor sets it before loading one).
+    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
+        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
+    kernels = {}
+    for kernel in record["kernels"]:
+        path = os.path.join(kernel_dir, kernel["file"])
+        if os.path.getsize(path) != kernel["size"] or _sha256(path) != kernel["sha256"]:
+            raise DamagedKernel(f"kernel file {path} is damaged (size or checksum)")
+        kernels[kernel["var"]] = getattr(_extension(kernel["module"], path), kernel["attr"])
+    align_bytes = record["align_bytes"]
+    light = SimpleNamespace(
+        kernels=kernels,
+        extern_kernels=SimpleNamespace(**{n: _resolve_extern(p)
+                                          for n, p in record["extern"].items()}),
+        align=(lambda nbytes: (nbytes + align_bytes - 1) & -align_bytes) if align_bytes
+        else None)
+    namespace: dict[str, Any] = {"__name__": f"vllm_light_{name}", _LIGHT: light}
+    exec(compile(record["source"], f"<compiled {name}>", "exec"), namespace)
+    return LightPiece(namespace["call"], name)
+
+
+def _extension(module_name: str, path: str) -> Any:
+    """Load a kernel's extension module, under the name Inductor gives it (so that Inductor,
+    if it loads the same kernel later in this process, reuses it)."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load kernel {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[module_name] = module
+    return module
+
+
+def _resolve_extern(path: list[str]) -> Any:
+    if path[0] == "torch":
+        return getattr(torch, path[1])
+    _, namespace, op, overload = path
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
