@@ -10,7 +10,6 @@ with those runnables in place of its submodules is what Dynamo runs.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from vllm.compilation import inductor_light
 from vllm.compilation.cache import CompileCache, cache_disabled_reason
 from vllm.compilation.compiler_interface import graph_hash, make_compiler
 from vllm.compilation.counter import compilation_counter
@@ -293,7 +293,7 @@ class VllmBackend:
                 "inductor compilation", piece=piece_index, range=tag, backend="inductor") as info:
             path = self.cache.lookup(name, key)
             if path is not None:
-                light = self.load_light(name, key)
+                light = inductor_light.load_cached(self.cache, name, key)
                 if light is not None:
                     self.cache.record(name, hit=True)
                     info["cache"] = "hit (without Inductor)"
@@ -302,7 +302,7 @@ class VllmBackend:
                     artifact = self.compiler.load(path, self.cache.inductor_cache_dir)
                     self.cache.record(name, hit=True)
                     info["cache"] = "hit"
-                    self.save_light(name, key, path)
+                    inductor_light.save_cached(self.cache, name, key, path)
                     return artifact
                 except Exception as e:  # a damaged entry is recompiled, never trusted
                     problem = f"failed to load ({type(e).__name__}: {e})"
@@ -332,71 +332,8 @@ class VllmBackend:
             except Exception as e:
                 logger.warning("compile cache: could not save %s: %s", name, e)
             else:
-                self.save_light(name, key, path)
+                inductor_light.save_cached(self.cache, name, key, path)
             return artifact
-
-    # ---- pieces run without Inductor (inductor_light.py) ---------------------------------
-    @staticmethod
-    def light_entry(name: str) -> str:
-        return name.removesuffix(".bin") + ".light.json"
-
-    def load_light(self, name: str, key: str) -> Callable | None:
-        """Piece entry `name` run without importing Inductor, from its light entry; None
-        when there is none or it does not load (logged; the entry is dropped and the piece
-        loads the full way, which writes it again)."""
-        assert self.cache is not None
-        light_name = self.light_entry(name)
-        path = self.cache.lookup(light_name, key)
-        if path is None:
-            return None
-        from vllm.compilation import inductor_light
-
-        try:
-            with open(path) as f:
-                record = json.load(f)
-            piece = inductor_light.load(record, self.cache.light_kernel_dir,
-                                        name.removesuffix(".bin"))
-        except inductor_light.DamagedKernel as e:
-            logger.warning("compile cache: %s: %s; loading the piece with Inductor",
-                           light_name, e)
-            compilation_counter.num_cache_corrupt += 1
-            self.cache.remove(light_name)
-            return None
-        except Exception as e:
-            logger.info("compile cache: %s not used (%s: %s); loading the piece with Inductor",
-                        light_name, type(e).__name__, e)
-            self.cache.remove(light_name)
-            return None
-        compilation_counter.num_light_loads += 1
-        return piece
-
-    def save_light(self, name: str, key: str, artifact_path: str) -> None:
-        """Write the light entry of piece entry `name` (just compiled or loaded the full way)
-        when the piece can run without Inductor."""
-        if not getattr(self.compiler, "savable", False):
-            return
-        from vllm.compilation import inductor_light
-
-        try:
-            record = inductor_light.describe(artifact_path, self.cache.inductor_cache_dir,
-                                             self.cache.light_kernel_dir)
-        except inductor_light.NotLight as e:
-            logger.debug("%s needs Inductor at every start: %s", name, e)
-            return
-        except Exception as e:
-            logger.info("compile cache: %s not described for loading without Inductor "
-                        "(%s: %s)", name, type(e).__name__, e)
-            return
-        text = json.dumps(record)
-
-        def write(tmp: str) -> None:
-            with open(tmp, "w") as f:
-                f.write(text)
-
-        try:
-            self.cache.store(self.light_entry(name), key, write, count=False)
-        except Exception as e:
-            logger.warning("compile cache: could not save %s: %s", self.light_entry(name), e)
 
     def _record_output_code(self, piece_index: int, tag: str, dump_dir: str | None) -> None:
         if dump_dir is None or self.compiler.name != "inductor":

@@ -148,6 +148,11 @@ class InductorCompiler:
         cc = self.vllm_config.compilation_config
         return not cc.freezing and not cc.debug_dump_path
 
+    def _prepare(self) -> None:
+        platform = getattr(self.vllm_config, "platform", None)
+        if platform is None or platform.is_cpu():
+            prepare_inductor(self.vllm_config)
+
     def compile(self, gm: fx.GraphModule, example_inputs: list[Any], compile_range: Range,
                 piece_index: int, dump_dir: str | None, cache_dir: str | None = None) -> Any:
         from torch._inductor import standalone_compile
@@ -159,7 +164,7 @@ class InductorCompiler:
             patches["trace.enabled"] = True
             patches["trace.debug_dir"] = os.path.join(dump_dir, "inductor")
             patches["fx_graph_cache"] = False  # a cache hit would write no trace
-        prepare_inductor(self.vllm_config)
+        self._prepare()
         static = compile_range.is_single_size
         start = time.perf_counter()
         with pass_context(compile_range=compile_range, piece_index=piece_index,
@@ -181,7 +186,7 @@ class InductorCompiler:
     def load(self, path: str, cache_dir: str | None = None) -> Any:
         from torch._inductor import CompiledArtifact
 
-        prepare_inductor(self.vllm_config)
+        self._prepare()
         with inductor_cache_dir(cache_dir):
             return CompiledArtifact.load(path=path, format="binary")
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.compilation import inductor_light
 from vllm.compilation.cache import (
     CompileCache,
     _files_hash,
@@ -352,12 +353,12 @@ def _load_piece(backend: VllmBackend, piece_index: int, compile_range: Range, ke
         if path is None:
             details["cache"] = "missing"
             raise FileNotFoundError(f"{name} is missing or damaged")
-        artifact = backend.load_light(name, key)
+        artifact = inductor_light.load_cached(cache, name, key)
         if artifact is not None:
             details["cache"] = "hit (without Inductor)"
         else:
             artifact = backend.compiler.load(path, cache.inductor_cache_dir)
-            backend.save_light(name, key, path)
+            inductor_light.save_cached(cache, name, key, path)
     cache.record(name, hit=True)
     backend.share(key, piece_index, artifact)
     return artifact

@@ -15,7 +15,8 @@ compiled or loaded the full way, `describe()` writes down what running it again 
            differ byte-wise;
   extern   the torch functions the code calls as `extern_kernels.<name>`;
 and `load()` runs it: a `LightPiece`, called like the full artifact (outputs as a list,
-autograd off). Only pieces whose runtime wrappers do nothing at inference are described: no
+autograd off). In the compile cache the description is the piece entry's companion
+`<piece>.<range>.light.json` (`save_cached` / `load_cached`, checksummed like the piece). Only pieces whose runtime wrappers do nothing at inference are described: no
 input mutated, no output that aliases another tensor, no effect tokens, RNG state or tensor
 subclasses, no inputs to realign, no constants (freezing), CPU only, one graph in the FX
 cache entry. Anything else raises `NotLight` (the piece keeps loading the full way), as
@@ -26,13 +27,22 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from vllm.compilation.counter import compilation_counter
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.compilation.cache import CompileCache
+
+logger = init_logger(__name__)
 
 FORMAT = 1
 _LIGHT = "__vllm_light__"
@@ -368,3 +378,59 @@ def _resolve_extern(path: list[str]) -> Any:
         return getattr(torch, path[1])
     _, namespace, op, overload = path
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+# ---- in the compile cache ------------------------------------------------------------------
+def entry_name(name: str) -> str:
+    """The light entry of piece entry `name` (`piece_2.range_1_2048.bin`)."""
+    return name.removesuffix(".bin") + ".light.json"
+
+
+def load_cached(cache: CompileCache, name: str, key: str) -> LightPiece | None:
+    """Piece entry `name` run without importing Inductor, from its light entry; None when
+    there is none or it does not load (logged; the light entry is dropped, and the piece,
+    loaded the full way, writes it again)."""
+    light_name = entry_name(name)
+    path = cache.lookup(light_name, key)
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        piece = load(record, cache.light_kernel_dir, name.removesuffix(".bin"))
+    except DamagedKernel as e:
+        logger.warning("compile cache: %s: %s; loading the piece with Inductor", light_name, e)
+        compilation_counter.num_cache_corrupt += 1
+        cache.remove(light_name)
+        return None
+    except Exception as e:
+        logger.info("compile cache: %s not used (%s: %s); loading the piece with Inductor",
+                    light_name, type(e).__name__, e)
+        cache.remove(light_name)
+        return None
+    compilation_counter.num_light_loads += 1
+    return piece
+
+
+def save_cached(cache: CompileCache, name: str, key: str, artifact_path: str) -> None:
+    """Write the light entry of piece entry `name` (just compiled or loaded the full way, its
+    artifact at `artifact_path`) when the piece can run without Inductor."""
+    try:
+        record = describe(artifact_path, cache.inductor_cache_dir, cache.light_kernel_dir)
+    except NotLight as e:
+        logger.debug("%s needs Inductor at every start: %s", name, e)
+        return
+    except Exception as e:
+        logger.info("compile cache: %s not described for loading without Inductor (%s: %s)",
+                    name, type(e).__name__, e)
+        return
+    text = json.dumps(record)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    try:
+        cache.store(entry_name(name), key, write, count=False)
+    except Exception as e:
+        logger.warning("compile cache: could not save %s: %s", entry_name(name), e)
