@@ -120,3 +120,9 @@ def test_load_checks_kernel_files_and_the_torch_version(tmp_path):
         inductor_light.load(record, str(tmp_path))
     with pytest.raises(ValueError, match="another format or torch version"):
         inductor_light.load({**record, "torch": "0.0"}, str(tmp_path))
+
+
+def test_rewrite_refuses_output_code_without_a_call():
+    source = OUTPUT_CODE.replace("call = runner.call\n", "")
+    with pytest.raises(NotLight, match="no call"):
+        rewrite(source)

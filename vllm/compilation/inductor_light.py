@@ -15,12 +15,14 @@ compiled or loaded the full way, `describe()` writes down what running it again 
            differ byte-wise;
   extern   the torch functions the code calls as `extern_kernels.<name>`;
 and `load()` runs it: a `LightPiece`, called like the full artifact (outputs as a list,
-autograd off). In the compile cache the description is the piece entry's companion
-`<piece>.<range>.light.json` (`save_cached` / `load_cached`, checksummed like the piece). Only pieces whose runtime wrappers do nothing at inference are described: no
-input mutated, no output that aliases another tensor, no effect tokens, RNG state or tensor
-subclasses, no inputs to realign, no constants (freezing), CPU only, one graph in the FX
-cache entry. Anything else raises `NotLight` (the piece keeps loading the full way), as
-does output code using something this module does not know.
+autograd off). Only pieces whose runtime wrappers do nothing at inference are described: no
+input mutated, no output that aliases another tensor, no effect tokens, RNG state, grad-mode
+change or tensor subclasses, no inputs to realign, no constants (freezing), CPU only, one
+graph in the FX cache entry. Anything else raises `NotLight` (the piece keeps loading the
+full way), as does output code using something this module does not know.
+
+In the compile cache the description is the piece entry's companion
+`<piece>.<range>.light.json` (`save_cached` / `load_cached`, checksummed like the piece).
 """
 from __future__ import annotations
 
@@ -126,6 +128,8 @@ def _check_wrappers(entry: Any) -> None:
         problems.append("an output aliases another tensor")
     if meta.num_intermediate_bases or meta.tokens or meta.is_rng_op_functionalized:
         problems.append("it returns intermediate bases, effect tokens or RNG state")
+    if getattr(meta, "grad_enabled_mutation", None) is not None:
+        problems.append("it changes the grad mode")
     if entry.maybe_subclass_meta is not None:
         problems.append("it takes or returns tensor subclasses")
     if any(getattr(w, "needs_post_compile", True) for w in entry.dispatch_wrappers):
@@ -221,9 +225,10 @@ def rewrite(source: str) -> tuple[str, list[str], list[str], bool]:
         elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
               and node.value.id == "extern_kernels"):
             extern.add(node.attr)
-    if "call" not in {getattr(s, "name", None) for s in body} and not any(
-            isinstance(s, ast.Assign) and any(getattr(t, "id", None) == "call"
-                                              for t in s.targets) for s in body):
+    defined = {s.name for s in body if isinstance(s, ast.FunctionDef)}
+    defined |= {t.id for s in body if isinstance(s, ast.Assign) for t in s.targets
+                if isinstance(t, ast.Name)}
+    if "call" not in defined:
         raise NotLight("its output code defines no call()")
     return ast.unparse(ast.fix_missing_locations(module)), kernels, sorted(extern), uses_align
 
