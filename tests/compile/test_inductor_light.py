@@ -32,7 +32,8 @@ empty_strided_cpu = torch._C._dynamo.guards._empty_strided_cpu
 async_compile = AsyncCompile()
 
 
-cpp_fused_double_0 = async_compile.cpp_pybinding(['const float*', 'float*', 'const int64_t'], r\'\'\'
+cpp_fused_double_0 = async_compile.cpp_pybinding(
+    ['const float*', 'float*', 'const int64_t'], r\'\'\'
 extern "C" void kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0) {}
 \'\'\')
 

@@ -300,10 +300,10 @@ class CompileCache:
         return final
 
     def remove(self, name: str) -> None:
-        """Forget an entry that is intact but not usable."""
+        """Forget an entry that is intact but not usable (a read-only cache keeps it)."""
         with contextlib.suppress(OSError):
             os.unlink(self.path(name))
-        self._update_manifest(name, None)
+            self._update_manifest(name, None)
 
     def record(self, name: str, hit: bool) -> None:
         (self.hits if hit else self.misses).append(name)
