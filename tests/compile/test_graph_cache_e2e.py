@@ -81,6 +81,14 @@ def run(tmp_path, model: str, env: dict | None = None, **options) -> tuple[dict,
     return json.loads(line[len("RESULT "):]), proc.stderr
 
 
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def assert_warm(result: dict, log: str, nothing_imported: bool = True) -> None:
     """Every piece also loaded without Inductor (inductor_light.py); `nothing_imported`: so
     neither Inductor nor Dynamo was imported at all (in the process of rank 0)."""
@@ -141,11 +149,7 @@ def test_damaged_or_deleted_graph_falls_back_to_dynamo_and_dtype_misses(tmp_path
 
     # One byte flipped: the checksum catches it; Dynamo traces, the pieces still load, and
     # the graph is saved again for the next start.
-    with open(graph, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(graph, 100)
     damaged, log = run(tmp_path, path)
     same_key_or_skip(cold_log, log)
     assert (damaged["traces"], damaged["loaded"], damaged["corrupt"]) == (1, 0, 1), log[-3000:]
@@ -195,11 +199,7 @@ def test_a_damaged_light_kernel_is_caught_and_the_next_start_runs_without_induct
     assert len(entries) == NUM_PIECES, cold_log[-3000:]
     kernel = entries[1]["kernels"][0]["file"]
     users = sum(any(k["file"] == kernel for k in e["kernels"]) for e in entries)
-    with open(os.path.join(directory, "light_kernels", kernel), "r+b") as f:
-        f.seek(200)
-        byte = f.read(1)
-        f.seek(200)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(os.path.join(directory, "light_kernels", kernel), 200)
 
     damaged, log = run(tmp_path, path)
     same_key_or_skip(cold_log, log)

@@ -27,22 +27,19 @@ In the compile cache the description is the piece entry's companion
 from __future__ import annotations
 
 import ast
-import hashlib
 import importlib.util
 import json
 import os
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from vllm.compilation.cache import CompileCache, _sha256_file
 from vllm.compilation.counter import compilation_counter
 from vllm.logger import init_logger
-
-if TYPE_CHECKING:
-    from vllm.compilation.cache import CompileCache
 
 logger = init_logger(__name__)
 
@@ -289,7 +286,7 @@ def _kernel_files(source: str, names: list[str], inductor_cache_dir: str, kernel
         os.close(fd)
         try:
             shutil.copyfile(path, tmp)
-            digest = _sha256(tmp)
+            digest = _sha256_file(tmp)
             size = os.path.getsize(tmp)
             os.replace(tmp, os.path.join(kernel_dir, f"{digest}.so"))
         finally:
@@ -311,14 +308,6 @@ def _extern_path(name: str) -> list[str]:
     if isinstance(value, torch._ops.OpOverload):
         return ["op", value.namespace, value._opname, value._overloadname]
     raise NotLight(f"extern kernel {name} is {value!r}")
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- loading (no Inductor) -----------------------------------------------------------------
@@ -348,7 +337,7 @@ def load(record: dict[str, Any], kernel_dir: str, name: str = "piece") -> LightP
     kernels = {}
     for kernel in record["kernels"]:
         path = os.path.join(kernel_dir, kernel["file"])
-        if os.path.getsize(path) != kernel["size"] or _sha256(path) != kernel["sha256"]:
+        if os.path.getsize(path) != kernel["size"] or _sha256_file(path) != kernel["sha256"]:
             raise DamagedKernel(f"kernel file {path} is damaged (size or checksum)")
         kernels[kernel["var"]] = getattr(_extension(kernel["module"], path), kernel["attr"])
     align_bytes = record["align_bytes"]
