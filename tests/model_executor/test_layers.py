@@ -64,6 +64,24 @@ def test_moe_forms_match_a_per_token_reference():
                                expected, atol=1e-5, rtol=1e-5)
 
 
+def test_moe_op_call_does_not_import_dynamo(tmp_path):
+    """The MoE op runs eagerly at -O0 and inside compiled pieces loaded without Inductor: a
+    `torch.library.custom_op` imported Dynamo (~0.8 s) at its first call."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from vllm.model_executor.layers.fused_moe import select_experts\n"
+            "x, w13, w2 = torch.randn(3, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 6)\n"
+            "weights, ids = select_experts(torch.randn(3, 4), 2)\n"
+            "out = torch.ops.vllm.fused_moe_experts(x, w13, w2, weights, ids)\n"
+            "assert out.shape == (3, 8)\n"
+            "assert 'torch._dynamo' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_packed_loaders_accept_split_and_fused_tensors():
     torch.manual_seed(0)
     qkv = QKVParallelLinear(16, head_size=4, total_num_heads=4, total_num_kv_heads=2, bias=True)

@@ -77,7 +77,6 @@ def fused_experts_dense(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     return out
 
 
-@torch.library.custom_op("vllm::fused_moe_experts", mutates_args=())
 def fused_moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -85,9 +84,19 @@ def fused_moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids)
 
 
-@fused_moe_experts.register_fake
 def _fused_moe_experts_fake(hidden, w13, w2, topk_weights, topk_ids):
     return torch.empty_like(hidden)
+
+
+# Registered through a library fragment, as the attention op is, not `torch.library.custom_op`:
+# custom_op wraps the implementation in torch's "disable Dynamo" decorator, whose first call
+# imports Dynamo (~0.8 s of a start-up, at every level, also where nothing is compiled or a
+# warm start loads the compiled pieces without it), and checks arguments on every call.
+_lib = torch.library.Library("vllm", "FRAGMENT")  # noqa: TOR901
+_lib.define("fused_moe_experts(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, "
+            "Tensor topk_ids) -> Tensor")
+_lib.impl("fused_moe_experts", fused_moe_experts, "CompositeExplicitAutograd")
+torch.library.register_fake("vllm::fused_moe_experts", _fused_moe_experts_fake, lib=_lib)
 
 
 class FusedMoE(nn.Module):
