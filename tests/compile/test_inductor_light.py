@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm.compilation import inductor_light
-from vllm.compilation.inductor_light import NotLight, rewrite
+from vllm.compilation.inductor_light import NotLight, rewrite, used_ops
 
 OUTPUT_CODE = '''"""
 Compile-time auto-tuning block:
@@ -111,16 +111,31 @@ def test_rewrite_refuses_what_it_does_not_know(change, reason):
         rewrite(OUTPUT_CODE.replace(change, reason))
 
 
-def test_load_checks_kernel_files_and_the_torch_version(tmp_path):
+def test_used_ops_finds_direct_and_aliased_op_references():
+    source = ("import torch\naten = torch.ops.aten\ninductor_ops = torch.ops.inductor\n"
+              "def call(args):\n"
+              "    a = torch.ops.vllm_cpu_linear.linear.default(args[0], args[1])\n"
+              "    b = aten.mm.default(a, a)\n"
+              "    return (inductor_ops._alloc_from_pool(b, 0, torch.float32, (1,), (1,)),)\n")
+    assert used_ops(source) == [["aten", "mm"], ["inductor", "_alloc_from_pool"],
+                                ["vllm_cpu_linear", "linear"]]
+
+
+def test_load_checks_ops_kernel_files_and_the_torch_version(tmp_path):
     record = {"format": inductor_light.FORMAT, "torch": torch.__version__, "source": "",
               "kernels": [{"var": "k", "module": "m.kernel", "attr": "kernel",
                            "file": "k.so", "size": 3, "sha256": "0" * 64}],
-              "extern": {}, "align_bytes": None}
+              "extern": {}, "ops": [["aten", "mm"]], "align_bytes": None}
     (tmp_path / "k.so").write_bytes(b"abc")
     with pytest.raises(inductor_light.DamagedKernel, match="k.so is damaged"):
         inductor_light.load(record, str(tmp_path))
     with pytest.raises(ValueError, match="another format or torch version"):
         inductor_light.load({**record, "torch": "0.0"}, str(tmp_path))
+    # An op registered by Python code that has not run in this process: the piece loads
+    # the full way instead of failing at its first call.
+    with pytest.raises(ValueError, match="vllm_test_absent::nothing is not registered"):
+        inductor_light.load({**record, "ops": [["vllm_test_absent", "nothing"]]},
+                            str(tmp_path))
 
 
 def test_rewrite_refuses_output_code_without_a_call():

@@ -86,6 +86,7 @@ def describe(artifact_path: str, inductor_cache_dir: str, kernel_dir: str) -> di
 
     return {"format": FORMAT, "torch": torch.__version__, "source": source,
             "kernels": kernels, "extern": {name: _extern_path(name) for name in extern_names},
+            "ops": used_ops(source),
             "align_bytes": inductor_utils.ALIGN_BYTES if uses_align else None}
 
 
@@ -172,7 +173,8 @@ def _check_graph(graph: Any) -> None:
 def rewrite(source: str) -> tuple[str, list[str], list[str], bool]:
     """Output code -> (code runnable without Inductor, the kernel variables it reads from
     `__vllm_light__.kernels`, the `extern_kernels` attributes it uses, whether it uses
-    `align`). Raises `NotLight` for anything it does not know."""
+    `align`). Raises `NotLight` for anything it does not know. (`used_ops` lists the torch
+    ops it calls.)"""
     tree = ast.parse(source)
     body: list[ast.stmt] = []
     kernels: list[str] = []
@@ -228,6 +230,39 @@ def rewrite(source: str) -> tuple[str, list[str], list[str], bool]:
     if "call" not in defined:
         raise NotLight("its output code defines no call()")
     return ast.unparse(ast.fix_missing_locations(module)), kernels, sorted(extern), uses_align
+
+
+def used_ops(source: str) -> list[list[str]]:
+    """The `torch.ops.<namespace>.<op>` the (rewritten) code refers to, directly or through a
+    module-level alias of `torch.ops.<namespace>` (`aten = torch.ops.aten`), as
+    [namespace, op] pairs. Some are registered by Python code (ours, or Inductor's own), so a
+    load checks that each exists before the code runs."""
+    tree = ast.parse(source)
+
+    def namespace_of(node: ast.AST) -> str | None:  # `torch.ops.<ns>` -> ns
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "ops" and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "torch"):
+            return node.attr
+        return None
+
+    aliases = {}
+    for stmt in tree.body:
+        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)):
+            namespace = namespace_of(stmt.value)
+            if namespace is not None:
+                aliases[stmt.targets[0].id] = namespace
+    ops = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        namespace = namespace_of(node.value)
+        if namespace is None and isinstance(node.value, ast.Name):
+            namespace = aliases.get(node.value.id)
+        if namespace is not None:
+            ops.add((namespace, node.attr))
+    return [list(op) for op in sorted(ops)]
 
 
 def _assign(name: str, value: ast.expr) -> ast.Assign:
@@ -331,6 +366,12 @@ def load(record: dict[str, Any], kernel_dir: str, name: str = "piece") -> LightP
     or from another torch."""
     if record.get("format") != FORMAT or record.get("torch") != torch.__version__:
         raise ValueError("described by another format or torch version")
+    for namespace, op in record["ops"]:
+        try:
+            getattr(getattr(torch.ops, namespace), op)
+        except (AttributeError, RuntimeError):
+            raise ValueError(f"op {namespace}::{op} is not registered in this process") \
+                from None
     # What the kernels' module init reads (Inductor sets it before loading one).
     os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
         torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
