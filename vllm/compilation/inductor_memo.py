@@ -133,7 +133,7 @@ def _torch_fingerprint() -> dict[str, Any]:
 
 
 def prefill_torch_key(directory: str | None) -> None:
-    """Compute Inductor's `torch_key()` now (in the pre-warm thread), or set it from the memo
+    """Compute Inductor's `torch_key()` now (`prepare_inductor`), or set it from the memo
     in `directory`."""
     from torch._inductor.codecache import torch_key
 
