@@ -120,7 +120,8 @@ class VllmBackend:
         # replaced (cache on), the compiled pieces and the graph outputs of the first call.
         self.graph_sources: list[str] | None = None
         self.graph_kinds: list[str] = []
-        self.split_pickle: bytes | None = None
+        self.split_pickle: dict[str, Any] | None = None
+        """The split module and its compiled pieces' graphs, pickled (graph_cache.py)."""
         self.piece_backends: list[PiecewiseBackend] = []
         self.output_recorder: Any = None
 

@@ -102,10 +102,11 @@ class PiecewiseBackend:
             self.range_runnables[compile_range] = vllm_backend.compile_piece(
                 gm, example_inputs, piece_index, compile_range, self.digest)
 
-    def _setup(self, gm: fx.GraphModule, piece_index: int, vllm_backend: VllmBackend,
+    def _setup(self, gm: fx.GraphModule | None, piece_index: int, vllm_backend: VllmBackend,
                single_output: bool, locator: tuple[int, int | None] | None, digest: str,
                keep: list[int] | None) -> None:
-        self.gm = gm
+        self._gm = gm
+        self._load_gm: Callable[[], fx.GraphModule] | None = None
         self.piece_index = piece_index
         self.vllm_backend = vllm_backend
         self.single_output = single_output
@@ -129,16 +130,26 @@ class PiecewiseBackend:
                 "digest": self.digest, "keep": self.keep,
                 "ranges": [[r.start, r.end, self.range_keys[r]] for r in self.ranges]}
 
+    @property
+    def gm(self) -> fx.GraphModule:
+        """The piece's graph (compiled again for a compile size met at run time). A restored
+        piece builds it on first use: FX re-traces a graph it unpickles (~5 ms a piece)."""
+        if self._gm is None:
+            assert self._load_gm is not None
+            self._gm, _ = with_tuple_output(self._load_gm())
+        return self._gm
+
     @classmethod
-    def restore(cls, gm: fx.GraphModule, info: dict[str, Any], vllm_backend: VllmBackend,
-                loaded: dict[Range, Callable]) -> PiecewiseBackend:
+    def restore(cls, load_gm: Callable[[], fx.GraphModule], info: dict[str, Any],
+                vllm_backend: VllmBackend, loaded: dict[Range, Callable]) -> PiecewiseBackend:
         """A piece from `saved_info()` and its runnables loaded from the compile cache
-        (`loaded`: range -> runnable, every range of `expected_ranges(info)`)."""
+        (`loaded`: range -> runnable, every range of `expected_ranges(info)`); `load_gm()`
+        gives its graph when it is needed."""
         self = cls.__new__(cls)
-        gm, _ = with_tuple_output(gm)
         locator = tuple(info["locator"]) if info["locator"] else None
-        self._setup(gm, info["index"], vllm_backend, info["single_output"], locator,
+        self._setup(None, info["index"], vllm_backend, info["single_output"], locator,
                     info["digest"], info["keep"])
+        self._load_gm = load_gm
         self.range_keys = {Range(s, e): key for s, e, key in info["ranges"]}
         if list(self.range_keys) != self.ranges:
             raise ValueError(f"piece {self.piece_index}: saved compile ranges "
