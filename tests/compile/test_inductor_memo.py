@@ -19,6 +19,11 @@ from vllm.compilation.inductor_memo import (
     prefill_torch_key,
 )
 
+try:
+    from tests.fresh_python import run_fresh
+except ImportError:  # tests/ itself on sys.path
+    from fresh_python import run_fresh
+
 
 def _forget_probes() -> None:
     """Inductor caches its checks per process: clear them, as in a new process."""
@@ -105,9 +110,6 @@ def test_prepare_inductor_imports_the_compiler_once(tmp_path):
     compiler and the modules its output code imports, once per process; until it runs (a
     fresh process, or one whose pieces all load without Inductor) nothing of Inductor is
     imported by our compilation modules."""
-    import subprocess
-    import sys
-
     code = (
         "import sys\n"
         "import vllm.compilation.backends, vllm.compilation.graph_cache\n"
@@ -122,9 +124,7 @@ def test_prepare_inductor_imports_the_compiler_once(tmp_path):
         " if m not in sys.modules]\n"
         "assert not missing, missing\n"
         "assert calls == [None], calls\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_fresh(code, tmp_path)
 
 
 class _Isa:

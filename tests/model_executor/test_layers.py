@@ -17,6 +17,11 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVPar
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.platforms import current_platform
 
+try:
+    from tests.fresh_python import run_fresh
+except ImportError:  # tests/ itself on sys.path
+    from fresh_python import run_fresh
+
 
 def test_custom_op_dispatch_follows_the_current_config():
     assert RMSNorm(8)._forward_method.__name__ == "forward_native"  # no current config
@@ -67,9 +72,6 @@ def test_moe_forms_match_a_per_token_reference():
 def test_moe_op_call_does_not_import_dynamo(tmp_path):
     """The MoE op runs eagerly at -O0 and inside compiled pieces loaded without Inductor: a
     `torch.library.custom_op` imported Dynamo (~0.8 s) at its first call."""
-    import subprocess
-    import sys
-
     code = ("import sys, torch\n"
             "from vllm.model_executor.layers.fused_moe import select_experts\n"
             "x, w13, w2 = torch.randn(3, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 6)\n"
@@ -77,9 +79,7 @@ def test_moe_op_call_does_not_import_dynamo(tmp_path):
             "out = torch.ops.vllm.fused_moe_experts(x, w13, w2, weights, ids)\n"
             "assert out.shape == (3, 8)\n"
             "assert 'torch._dynamo' not in sys.modules\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_fresh(code, tmp_path)
 
 
 def test_packed_loaders_accept_split_and_fused_tensors():
