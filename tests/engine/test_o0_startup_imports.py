@@ -16,7 +16,7 @@ from vllm import LLM
 LLM(model="demo", optimization_level=0, kv_cache_memory="16MiB")
 print(json.dumps({name: name in sys.modules for name in (
     "vllm.compilation.backends", "vllm.compilation.pass_manager", "torch._inductor",
-    "torch.utils.cpp_extension")}))
+    "torch._dynamo", "torch.utils.cpp_extension")}))
 """
 
 
