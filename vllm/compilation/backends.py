@@ -294,16 +294,9 @@ class VllmBackend:
                 "inductor compilation", piece=piece_index, range=tag, backend="inductor") as info:
             path = self.cache.lookup(name, key)
             if path is not None:
-                light = inductor_light.load_cached(self.cache, name, key)
-                if light is not None:
-                    self.cache.record(name, hit=True)
-                    info["cache"] = "hit (without Inductor)"
-                    return light
                 try:
-                    artifact = self.compiler.load(path, self.cache.inductor_cache_dir)
+                    artifact, info["cache"] = self.load_cached_piece(name, key, path)
                     self.cache.record(name, hit=True)
-                    info["cache"] = "hit"
-                    inductor_light.save_cached(self.cache, name, key, path)
                     return artifact
                 except Exception as e:  # a damaged entry is recompiled, never trusted
                     problem = f"failed to load ({type(e).__name__}: {e})"
@@ -335,6 +328,18 @@ class VllmBackend:
             else:
                 inductor_light.save_cached(self.cache, name, key, path)
             return artifact
+
+    def load_cached_piece(self, name: str, key: str, path: str) -> tuple[Callable, str]:
+        """Piece entry `name` (at `path`, checked) and how it loaded: without Inductor from its
+        light entry when it has one that loads, else the full way (and then described for
+        the next start: inductor_light.py). Raises when the full load fails."""
+        assert self.cache is not None
+        light = inductor_light.load_cached(self.cache, name, key)
+        if light is not None:
+            return light, "hit (without Inductor)"
+        artifact = self.compiler.load(path, self.cache.inductor_cache_dir)
+        inductor_light.save_cached(self.cache, name, key, path)
+        return artifact, "hit"
 
     def _record_output_code(self, piece_index: int, tag: str, dump_dir: str | None) -> None:
         if dump_dir is None or self.compiler.name != "inductor":

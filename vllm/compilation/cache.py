@@ -303,6 +303,7 @@ class CompileCache:
         """Forget an entry that is intact but not usable (a read-only cache keeps it)."""
         with contextlib.suppress(OSError):
             os.unlink(self.path(name))
+        with contextlib.suppress(OSError):
             self._update_manifest(name, None)
 
     def record(self, name: str, hit: bool) -> None:

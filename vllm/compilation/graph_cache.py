@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.compilation import inductor_light
 from vllm.compilation.cache import (
     CompileCache,
     _files_hash,
@@ -378,12 +377,7 @@ def _load_piece(backend: VllmBackend, piece_index: int, compile_range: Range, ke
         if path is None:
             details["cache"] = "missing"
             raise FileNotFoundError(f"{name} is missing or damaged")
-        artifact = inductor_light.load_cached(cache, name, key)
-        if artifact is not None:
-            details["cache"] = "hit (without Inductor)"
-        else:
-            artifact = backend.compiler.load(path, cache.inductor_cache_dir)
-            inductor_light.save_cached(cache, name, key, path)
+        artifact, details["cache"] = backend.load_cached_piece(name, key, path)
     cache.record(name, hit=True)
     backend.share(key, piece_index, artifact)
     return artifact

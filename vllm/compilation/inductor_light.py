@@ -276,9 +276,20 @@ def _light_attr(attr: str) -> ast.Attribute:
 def _is_async_compile_stmt(stmt: ast.stmt) -> bool:
     """`async_compile = AsyncCompile()`, `async_compile.wait(globals())`,
     `del async_compile`."""
-    text = ast.unparse(stmt)
-    return text in ("async_compile = AsyncCompile()", "async_compile.wait(globals())",
-                    "del async_compile")
+    def is_async_compile(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id == "async_compile"
+
+    if isinstance(stmt, ast.Assign):
+        return (len(stmt.targets) == 1 and is_async_compile(stmt.targets[0])
+                and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name)
+                and stmt.value.func.id == "AsyncCompile")
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        func = stmt.value.func
+        return (isinstance(func, ast.Attribute) and func.attr == "wait"
+                and is_async_compile(func.value))
+    if isinstance(stmt, ast.Delete):
+        return len(stmt.targets) == 1 and is_async_compile(stmt.targets[0])
+    return False
 
 
 def _kernel_build(stmt: ast.stmt) -> str | None:
