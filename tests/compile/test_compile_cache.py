@@ -43,6 +43,7 @@ def test_key_covers_what_changes_the_graph_and_nothing_memory_sized(tmp_path):
     # A pass flag, an Inductor option, the pass manager, the model source: different key.
     assert key_of(config(pass_config=PassConfig(eliminate_noops=False)), [source]) != base
     assert key_of(config(max_autotune=True), [source]) != base
+    assert key_of(config(cpp_wrapper=True), [source]) != base
     assert key_of(config(), [source], passes="q") != base
     source.write_text("x = 2\n")
     assert key_of(config(), [source]) != base
@@ -64,6 +65,15 @@ def test_disabled_by_env_eager_and_dump(monkeypatch, tmp_path):
     assert "debug_dump_path" in cache_disabled_reason(config(debug_dump_path=str(tmp_path)))
     monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
     assert cache_disabled_reason(config()) == "VLLM_DISABLE_COMPILE_CACHE=1"
+
+
+def test_inductor_options_from_fields_and_inductor_compile_config_wins():
+    from vllm.compilation.compiler_interface import inductor_config_patches
+
+    assert "cpp_wrapper" not in inductor_config_patches(config(), None)
+    assert inductor_config_patches(config(cpp_wrapper=True), None)["cpp_wrapper"] is True
+    given = config(cpp_wrapper=True, inductor_compile_config={"cpp_wrapper": False})
+    assert inductor_config_patches(given, None)["cpp_wrapper"] is False
 
 
 def test_disabled_by_env_turns_inductors_own_caches_off_too(monkeypatch):

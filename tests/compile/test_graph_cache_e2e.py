@@ -1,7 +1,7 @@
 """Warm starts that skip the Dynamo trace, through the engine, in new processes (Inductor;
 slow).
 
-A cold -O2 start traces once and saves the traced graph next to the compiled pieces; a warm
+A cold -O2 (or -O3) start traces once and saves the traced graph next to the compiled pieces; a warm
 start in a new process loads both (0 Dynamo traces, 0 Inductor compiles, every piece a cache
 hit, "dynamo tracing 0.00 0" and a "graph loading" row in the start-up table) and gives the
 same greedy tokens as the cold start and as -O0 under continuous batching of mixed prompt
@@ -89,12 +89,12 @@ def flip_byte(path: str, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def assert_warm(result: dict, log: str) -> None:
+def assert_warm(result: dict, log: str, pieces: int = NUM_PIECES) -> None:
     """Every piece also loaded without Inductor (inductor_light.py), and neither Inductor nor
     Dynamo was imported at all (in the process of rank 0)."""
     assert (result["traces"], result["loaded"], result["inductor"]) == (0, 1, 0), log[-3000:]
-    assert (result["hits"], result["misses"], result["recompiles"]) == (NUM_PIECES, 0, 0)
-    assert result["light"] == NUM_PIECES and "hit (without Inductor)" in log, log[-3000:]
+    assert (result["hits"], result["misses"], result["recompiles"]) == (pieces, 0, 0)
+    assert result["light"] == pieces and "hit (without Inductor)" in log, log[-3000:]
     assert result["imported"] == [], result["imported"]
     assert result["phases"]["dynamo tracing"] == 0.0 and "dynamo tracing" not in result["counts"]
     assert result["counts"]["graph loading"] == 1
@@ -105,19 +105,25 @@ def assert_warm(result: dict, log: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "qwen3"])
-def test_warm_start_skips_dynamo_and_matches_cold_and_o0(tmp_path, checkpoints, model):
+@pytest.mark.parametrize("model, level", [("llama", 2), ("qwen3", 2), ("mixtral", 3)])
+def test_warm_start_skips_dynamo_and_matches_cold_and_o0(tmp_path, checkpoints, model, level):
+    """CPU -O3 compiles the whole graph as one piece, its host code C++ (Inductor's C++
+    wrapper): that one built module is what its warm start loads."""
     path = checkpoints(model)
+    pieces = 1 if level == 3 else NUM_PIECES
     eager, _ = run(tmp_path, path, optimization_level=0)
-    cold, cold_log = run(tmp_path, path)
+    cold, cold_log = run(tmp_path, path, optimization_level=level)
     assert (cold["traces"], cold["loaded"], cold["saved"]) == (1, 0, 1), cold_log[-3000:]
-    assert cold["inductor"] == NUM_PIECES and cold["counts"]["dynamo tracing"] == 1
+    assert cold["inductor"] == pieces and cold["counts"]["dynamo tracing"] == 1
     directory = cache_dir_in(cold_log)
     assert directory.endswith("rank_0") and os.path.isfile(os.path.join(directory, GRAPH_ENTRY))
+    modules = [k["module"] for e in _light_entries(directory) for k in e["kernels"]]
+    wrappers = [m for m in modules if m.endswith(".inductor_entry_cpp")]
+    assert len(wrappers) == (1 if level == 3 else 0), modules
 
-    warm, warm_log = run(tmp_path, path)
+    warm, warm_log = run(tmp_path, path, optimization_level=level)
     same_key_or_skip(cold_log, warm_log)
-    assert_warm(warm, warm_log)
+    assert_warm(warm, warm_log, pieces)
     assert warm["tokens"] == cold["tokens"] == eager["tokens"]
 
 

@@ -142,3 +142,75 @@ def test_rewrite_refuses_output_code_without_a_call():
     source = OUTPUT_CODE.replace("call = runner.call\n", "")
     with pytest.raises(NotLight, match="no call"):
         rewrite(source)
+
+
+# The shape of C++-wrapper output code (`cpp_wrapper`, CPU -O3): the host code is C++ built
+# into one extension module with the kernels; Python only converts the arguments.
+CPP_WRAPPER_CODE = '''"""
+Compile-time auto-tuning block:
+from torch._inductor.async_compile import AsyncCompile
+"""
+import torch
+from torch._inductor.codecache import CppWrapperCodeCache
+
+cpp_wrapper_src = (
+r\'\'\'
+#include <torch/csrc/inductor/cpp_wrapper/cpu.h>
+void inductor_entry_impl(AtenTensorHandle* input_handles, AtenTensorHandle* output_handles) {
+    aoti_torch_call_dispatcher("vllm_cpu_linear::linear", "", dispatch_vars.data());
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+        "vllm::unified_attention_with_output", "");
+}
+\'\'\'
+)
+
+inductor_entry = CppWrapperCodeCache.load_pybinding(
+    argtypes=["std::vector<AtenTensorHandle>"],
+    main_code=cpp_wrapper_src,
+    device_type="cpu",
+    num_outputs=1,
+    kernel_code=None,
+)
+
+def _wrap_func(f):
+    def g(args):
+        input_tensors = [arg if isinstance(arg, torch.Tensor) else torch.tensor(arg)
+                         for arg in args]
+        args.clear()
+        return f(input_tensors)
+    return g
+
+call = _wrap_func(inductor_entry)
+def get_args():
+    from torch._dynamo.testing import rand_strided
+    return []
+'''
+
+
+def test_rewrite_takes_the_cpp_wrapper_module_as_the_kernel():
+    source, kernels, extern, uses_align = rewrite(CPP_WRAPPER_CODE)
+    assert kernels == ["inductor_entry"] and extern == [] and not uses_align
+    # The wrapper's C++ source is not kept: the built module stands for it.
+    for gone in ("torch._inductor", "CppWrapperCodeCache", "cpp_wrapper_src", "#include",
+                 "get_args"):
+        assert gone not in source, gone
+    light = SimpleNamespace(kernels={"inductor_entry": lambda ts: [t * 3 for t in ts]})
+    namespace = {"__vllm_light__": light}
+    exec(compile(source, "<test>", "exec"), namespace)
+    x = torch.randn(2)
+    torch.testing.assert_close(namespace["call"]([x, 2])[0], x * 3)
+    # The ops its C++ calls by name are checked at load like the Python references.
+    assert inductor_light.cpp_wrapper_ops(CPP_WRAPPER_CODE) == [
+        ["vllm", "unified_attention_with_output"], ["vllm_cpu_linear", "linear"]]
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("    kernel_code=None,", "    kernel_code=cpp_wrapper_src,"),  # a second, linked build
+    ("CppWrapperCodeCache.load_pybinding(", "CppWrapperCodeCache.load_pybinding_async("),
+    ("call = _wrap_func(inductor_entry)",
+     "call = _wrap_func(inductor_entry)\nCppWrapperCodeCache.cache_clear()"),
+])
+def test_rewrite_refuses_other_uses_of_the_cpp_wrapper_builder(change, reason):
+    assert change in CPP_WRAPPER_CODE
+    with pytest.raises(NotLight):
+        rewrite(CPP_WRAPPER_CODE.replace(change, reason))

@@ -115,4 +115,4 @@ def _compilation_summary(vllm_config: Any) -> dict[str, Any]:
     return {"mode": cc.mode.name, "backend": cc.backend, "freezing": cc.freezing,
             "max_autotune": cc.max_autotune,
             "coordinate_descent_tuning": cc.coordinate_descent_tuning,
-            "compile_sizes": list(cc.compile_sizes or [])}
+            "cpp_wrapper": cc.cpp_wrapper, "compile_sizes": list(cc.compile_sizes or [])}

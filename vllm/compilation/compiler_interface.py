@@ -78,8 +78,8 @@ def graph_hash(gm: fx.GraphModule | None, example_inputs: list[Any],
 
 def inductor_config_patches(vllm_config: VllmConfig, pass_manager: PostGradPassManager | None,
                             ) -> dict[str, Any]:
-    """Inductor options from the config: freezing / max_autotune / coordinate descent, then
-    `inductor_compile_config` as given (it wins), then our pass manager."""
+    """Inductor options from the config: freezing / max_autotune / coordinate descent / C++
+    wrapper, then `inductor_compile_config` as given (it wins), then our pass manager."""
     cc = vllm_config.compilation_config
     patches: dict[str, Any] = {}
     if cc.freezing:
@@ -88,6 +88,8 @@ def inductor_config_patches(vllm_config: VllmConfig, pass_manager: PostGradPassM
         patches["max_autotune"] = True
     if cc.coordinate_descent_tuning:
         patches["coordinate_descent_tuning"] = True
+    if cc.cpp_wrapper:
+        patches["cpp_wrapper"] = True
     # Our passes expect v1 auto_functionalized nodes (see fix_functionalization).
     patches["enable_auto_functionalized_v2"] = False
     from vllm import envs

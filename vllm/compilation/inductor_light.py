@@ -14,6 +14,9 @@ compiled or loaded the full way, `describe()` writes down what running it again 
            again into its cache (two processes compiling at once both do), and the builds
            differ byte-wise;
   extern   the torch functions the code calls as `extern_kernels.<name>`;
+With Inductor's C++ wrapper (`cpp_wrapper`, CPU -O3) the host code itself is C++, built with
+the kernels into one extension module: the output code's `call` is a thin Python shim around
+it, and that module is described and copied like a kernel.
 and `load()` runs it: a `LightPiece`, called like the full artifact (outputs as a list,
 autograd off). Only pieces whose runtime wrappers do nothing at inference are described: no
 input mutated, no output that aliases another tensor, no effect tokens, RNG state, grad-mode
@@ -30,6 +33,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -52,6 +56,10 @@ _PLAIN_MODULES = frozenset({"cmath", "ctypes", "math", "os", "random", "tempfile
 _PROVIDED = {("torch._inductor.select_algorithm", "extern_kernels"): "extern_kernels",
              ("torch._inductor.codegen.memory_planning", "_align"): "align"}
 """Inductor values output code imports that we provide: (module, name) -> our attribute."""
+_WRAPPER_BUILDERS = {("torch._inductor.codecache", "CppWrapperCodeCache")}
+"""Inductor classes that C++-wrapper output code (`cpp_wrapper`) builds its host code with:
+`inductor_entry = CppWrapperCodeCache.load_pybinding(...)` is a kernel build like
+`async_compile.cpp_pybinding`, and the class may be used for nothing else."""
 _UNUSED_IMPORTS = {("torch._inductor.hooks", "run_intermediate_hooks"),
                    ("torch._inductor.utils", "maybe_profile"),
                    ("torch._inductor.async_compile", "AsyncCompile")}
@@ -86,7 +94,8 @@ def describe(artifact_path: str, inductor_cache_dir: str, kernel_dir: str) -> di
 
     return {"format": FORMAT, "torch": torch.__version__, "source": source,
             "kernels": kernels, "extern": {name: _extern_path(name) for name in extern_names},
-            "ops": used_ops(source),
+            "ops": sorted(map(list, {tuple(op) for op in used_ops(source)
+                                     + cpp_wrapper_ops(graph.source_code)})),
             "align_bytes": inductor_utils.ALIGN_BYTES if uses_align else None}
 
 
@@ -179,6 +188,7 @@ def rewrite(source: str) -> tuple[str, list[str], list[str], bool]:
     body: list[ast.stmt] = []
     kernels: list[str] = []
     dropped: set[str] = set()
+    builders: set[str] = set()
     for stmt in tree.body:
         if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
             continue  # the docstring (the autotuning block, as text)
@@ -189,6 +199,9 @@ def rewrite(source: str) -> tuple[str, list[str], list[str], bool]:
                 local = alias.asname or alias.name
                 if pair in _PROVIDED:
                     body.append(_assign(local, _light_attr(_PROVIDED[pair])))
+                elif pair in _WRAPPER_BUILDERS:
+                    builders.add(local)
+                    dropped.add(local)
                 elif pair in _UNUSED_IMPORTS:
                     dropped.add(local)
                 else:
@@ -196,7 +209,7 @@ def rewrite(source: str) -> tuple[str, list[str], list[str], bool]:
             continue
         if _is_async_compile_stmt(stmt):
             continue
-        kernel = _kernel_build(stmt)
+        kernel = _kernel_build(stmt, builders)
         if kernel is not None:
             kernels.append(kernel)
             body.append(_assign(kernel, ast.Subscript(value=_light_attr("kernels"),
@@ -208,7 +221,7 @@ def rewrite(source: str) -> tuple[str, list[str], list[str], bool]:
         if isinstance(stmt, ast.If) and "__main__" in ast.unparse(stmt.test):
             continue
         body.append(stmt)
-    module = ast.Module(body=body, type_ignores=[])
+    module = ast.Module(body=_without_unused_strings(body), type_ignores=[])
     extern, uses_align = set(), False
     for node in ast.walk(module):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -292,18 +305,52 @@ def _is_async_compile_stmt(stmt: ast.stmt) -> bool:
     return False
 
 
-def _kernel_build(stmt: ast.stmt) -> str | None:
-    """The variable of `NAME = async_compile.cpp_pybinding(...)`, else None."""
+def _kernel_build(stmt: ast.stmt, builders: set[str]) -> str | None:
+    """The variable of `NAME = async_compile.cpp_pybinding(...)` or of the C++ wrapper's
+    `NAME = <builder>.load_pybinding(...)` (`builders`: the local names of
+    `_WRAPPER_BUILDERS`), else None."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
             and isinstance(stmt.targets[0], ast.Name) and isinstance(stmt.value, ast.Call)):
         return None
     func = stmt.value.func
-    if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-            and func.value.id == "async_compile"):
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+        return None
+    if func.value.id == "async_compile":
         if func.attr != "cpp_pybinding":
             raise NotLight(f"its output code builds a kernel with async_compile.{func.attr}")
         return stmt.targets[0].id
+    if func.value.id in builders:
+        # With `kernel_code` the kernels are a second build the wrapper links to.
+        extra = {k.arg: k.value for k in stmt.value.keywords}.get("kernel_code")
+        if func.attr != "load_pybinding" or not (
+                extra is None or isinstance(extra, ast.Constant) and extra.value is None):
+            raise NotLight(f"its output code builds its wrapper with {ast.unparse(func)} "
+                           "and separate kernel code")
+        return stmt.targets[0].id
     return None
+
+
+def _without_unused_strings(body: list[ast.stmt]) -> list[ast.stmt]:
+    """`body` less the module-level string constants nothing reads any more (the C++
+    wrapper's source, once its build is replaced by the built module)."""
+    loaded = {node.id for stmt in body for node in ast.walk(stmt)
+              if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+
+    def unused_string(stmt: ast.stmt) -> bool:
+        return (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id not in loaded
+                and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str))
+    return [stmt for stmt in body if not unused_string(stmt)]
+
+
+_CPP_OP_CALL = re.compile(
+    r'(?:aoti_torch_call_dispatcher|findSchemaOrThrow)\(\s*"([A-Za-z_]\w*)::([A-Za-z_]\w*)"')
+
+
+def cpp_wrapper_ops(source: str) -> list[list[str]]:
+    """The ops C++-wrapper output code calls through the dispatcher by name, as
+    [namespace, op] pairs (`used_ops` finds the Python references)."""
+    return [list(op) for op in sorted(set(_CPP_OP_CALL.findall(source)))]
 
 
 def _kernel_files(source: str, names: list[str], inductor_cache_dir: str, kernel_dir: str

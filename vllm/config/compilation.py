@@ -181,6 +181,10 @@ class CompilationConfig:
     """Inductor max-autotune (benchmarks GEMM templates at compile time)."""
     coordinate_descent_tuning: bool | None = None
     """Inductor coordinate-descent tuning of generated kernels' launch parameters."""
+    cpp_wrapper: bool | None = None
+    """Inductor's C++ wrapper: each compiled graph's host code (buffer allocation, kernel and
+    op calls) is generated as C++ and built with the kernels, instead of Python. Saves the
+    Python interpreter per op at run time; costs a bigger C++ build at compile time."""
     cudagraph_mode: CUDAGraphMode | None = None
     """NONE / PIECEWISE / FULL / FULL_DECODE_ONLY / FULL_AND_PIECEWISE."""
     cudagraph_num_of_warmups: int = 0

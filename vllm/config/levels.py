@@ -30,7 +30,8 @@ class OptimizationLevel(enum.IntEnum):
     O3 = 3
     """O2 + Inductor autotuning and per-size compiles for common decode sizes: tune for speed.
     CPU: those measured no faster there, so its platform turns them off and compiles the
-    whole model as one graph instead (vllm/platforms/cpu.py)."""
+    whole model as one graph instead (vllm/platforms/cpu.py), with C++ host code (Inductor's
+    C++ wrapper)."""
 
     @classmethod
     def parse(cls, value: Any) -> OptimizationLevel:
@@ -89,6 +90,16 @@ PREPACK_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
                       "platform is the CPU (prepacked oneDNN linears: decode x1.15-1.20 at "
                       "batch 16, x1.00 at batch 1 vs O1; cacheable)")
 
+# CPU, measured like the whole-graph compile (benchmarks/bench_level_switches.py, paired rounds,
+# results/cpu_levels.md): Inductor's C++ wrapper on top of O3's whole graph runs decode x1.14 /
+# x1.06 faster at batch 1 / 16 on the demo model (the Python host code of ~100 ops a step
+# goes); x1.00 on the memory-bound Qwen2.5-0.5B shape, whose cold compile it lengthens (one
+# C++ wrapper per graph; warm starts load the built wrapper without Inductor). At O2 it
+# measured x1.06 / x1.03 (the pieces' calls stay Python), too little for the default level.
+CPP_WRAPPER_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
+                          "platform is the CPU (C++ host code: decode x1.14 / x1.06 at batch 1 / "
+                          "16 over O3 without it on the demo model, x1.00 on the 0.5B shape)")
+
 # Token counts that get their own static-shape compile at O3: the common decode batch sizes.
 O3_COMPILE_SIZES = [1, 2, 4, 8, 16]
 
@@ -103,6 +114,7 @@ _O0 = {
     f"{_CC}.prepack_linear_weights": False,
     f"{_CC}.max_autotune": False,
     f"{_CC}.coordinate_descent_tuning": False,
+    f"{_CC}.cpp_wrapper": False,
     f"{_CC}.compile_sizes": [],
     f"{_PC}.eliminate_noops": False,
     f"{_PC}.fuse_norm_quant": False,
@@ -139,6 +151,7 @@ _O3 = {
     f"{_CC}.max_autotune": True,
     f"{_CC}.coordinate_descent_tuning": True,
     f"{_CC}.compile_sizes": O3_COMPILE_SIZES,
+    f"{_CC}.cpp_wrapper": CPP_WRAPPER_ON_CPU,
 }
 
 OPTIMIZATION_LEVEL_TO_CONFIG: dict[OptimizationLevel, dict[str, Any]] = {
