@@ -91,13 +91,14 @@ PREPACK_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
                       "batch 16, x1.00 at batch 1 vs O1; cacheable)")
 
 # CPU, measured like the whole-graph compile (benchmarks/bench_level_switches.py, paired rounds,
-# results/cpu_levels.md): Inductor's C++ wrapper on top of O3's whole graph runs decode x1.14 /
-# x1.06 faster at batch 1 / 16 on the demo model (the Python host code of ~100 ops a step
-# goes); x1.00 on the memory-bound Qwen2.5-0.5B shape, whose cold compile it lengthens (one
-# C++ wrapper per graph; warm starts load the built wrapper without Inductor). At O2 it
-# measured x1.06 / x1.03 (the pieces' calls stay Python), too little for the default level.
+# results/cpu_levels.md): Inductor's C++ wrapper on top of O3's whole graph runs decode x1.15 /
+# x1.07 faster at batch 1 / 16 on the demo model (the Python host code of ~100 ops a step
+# goes); x1.00 / x1.01 on the memory-bound Qwen2.5-0.5B shape, whose cold compile it
+# lengthens (19 -> 40 s: one C++ wrapper for the whole graph; warm starts load the built
+# wrapper without Inductor). At O2 it measured x1.06 / x1.03 (the pieces' calls stay
+# Python), too little for the default level.
 CPP_WRAPPER_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
-                          "platform is the CPU (C++ host code: decode x1.14 / x1.06 at batch 1 / "
+                          "platform is the CPU (C++ host code: decode x1.15 / x1.07 at batch 1 / "
                           "16 over O3 without it on the demo model, x1.00 on the 0.5B shape)")
 
 # Token counts that get their own static-shape compile at O3: the common decode batch sizes.
