@@ -204,13 +204,15 @@ def test_rewrite_takes_the_cpp_wrapper_module_as_the_kernel():
         ["vllm", "unified_attention_with_output"], ["vllm_cpu_linear", "linear"]]
 
 
-@pytest.mark.parametrize("change, reason", [
-    ("    kernel_code=None,", "    kernel_code=cpp_wrapper_src,"),  # a second, linked build
-    ("CppWrapperCodeCache.load_pybinding(", "CppWrapperCodeCache.load_pybinding_async("),
+@pytest.mark.parametrize("change, replacement, reason", [
+    ("    kernel_code=None,", "    kernel_code=cpp_wrapper_src,", "apart from its kernels"),
+    ("CppWrapperCodeCache.load_pybinding(", "CppWrapperCodeCache.load_pybinding_async(",
+     "with CppWrapperCodeCache.load_pybinding_async"),
     ("call = _wrap_func(inductor_entry)",
-     "call = _wrap_func(inductor_entry)\nCppWrapperCodeCache.cache_clear()"),
+     "call = _wrap_func(inductor_entry)\nCppWrapperCodeCache.cache_clear()",
+     "uses CppWrapperCodeCache"),
 ])
-def test_rewrite_refuses_other_uses_of_the_cpp_wrapper_builder(change, reason):
+def test_rewrite_refuses_other_uses_of_the_cpp_wrapper_builder(change, replacement, reason):
     assert change in CPP_WRAPPER_CODE
-    with pytest.raises(NotLight):
-        rewrite(CPP_WRAPPER_CODE.replace(change, reason))
+    with pytest.raises(NotLight, match=reason):
+        rewrite(CPP_WRAPPER_CODE.replace(change, replacement))

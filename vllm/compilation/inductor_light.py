@@ -320,12 +320,12 @@ def _kernel_build(stmt: ast.stmt, builders: set[str]) -> str | None:
             raise NotLight(f"its output code builds a kernel with async_compile.{func.attr}")
         return stmt.targets[0].id
     if func.value.id in builders:
+        if func.attr != "load_pybinding":
+            raise NotLight(f"its output code builds its C++ wrapper with {ast.unparse(func)}")
         # With `kernel_code` the kernels are a second build the wrapper links to.
         extra = {k.arg: k.value for k in stmt.value.keywords}.get("kernel_code")
-        if func.attr != "load_pybinding" or not (
-                extra is None or isinstance(extra, ast.Constant) and extra.value is None):
-            raise NotLight(f"its output code builds its wrapper with {ast.unparse(func)} "
-                           "and separate kernel code")
+        if not (extra is None or isinstance(extra, ast.Constant) and extra.value is None):
+            raise NotLight("its C++ wrapper is built apart from its kernels (kernel_code)")
         return stmt.targets[0].id
     return None
 
