@@ -3,9 +3,10 @@
 #
 #   bash scripts/device_check.sh [OUT_DIR]
 #
-# 1. the CUDA-marked tests but -O3 (real CUDA graphs, Triton kernels, -O0..-O2 end to end on
-#    the GPU) and, at the same time, the whole suite with the GPU visible (every engine test
-#    then runs on CUDA) on many workers;
+# 1. the CUDA-marked tests but -O3 (real CUDA graphs, full ones for decode with TRITON_ATTN,
+#    Triton kernels, -O0..-O2 end to end on the GPU) and the TRITON_ATTN tests, and, at the
+#    same time, the whole suite with the GPU visible (every engine test then runs on CUDA) on
+#    many workers;
 # 2. -O3 on CUDA alone (Inductor max-autotune: minutes of start-up), with its duration;
 # 3. bench_levels.py on the GPU: the demo model (float32) and the Qwen2.5-0.5B shape (bf16).
 # Each stage has a time limit (env SUITE_S, O3_S, BENCH_DEMO_S, BENCH_QWEN_S). Outcomes go to
@@ -50,7 +51,8 @@ stage suite "$SUITE_S" python3 -m pytest -q --tb=short -n 14 -m "not cuda" \
 stage cuda_tests "$SUITE_S" python3 -m pytest -v --tb=short -m cuda -p no:cacheprovider -rfE \
     ${REPORT:+"${REPORT[@]}" "$OUT_DIR/cuda_tests.jsonl"} --deselect "$O3_TEST" \
     tests/engine/test_cuda_e2e.py tests/compile/test_cuda_graph_wrapper.py \
-    tests/quantization/test_fp8_ops.py tests/attention/test_sliding_window_attention.py
+    tests/quantization/test_fp8_ops.py tests/attention/test_sliding_window_attention.py \
+    tests/attention/test_triton_attn.py
 wait
 stage cuda_o3 "${O3_S:-240}" python3 -m pytest -v --tb=short -p no:cacheprovider --durations=3 \
     "$O3_TEST"

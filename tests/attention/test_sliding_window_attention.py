@@ -315,8 +315,9 @@ def test_layer_and_selector_refuse_backends_without_window_support(monkeypatch):
     assert selector.get_attn_backend(16, backend_name="no_window") is _NoWindowBackend
     with pytest.raises(ValueError, match="NO_WINDOW does not support sliding-window"):
         selector.get_attn_backend(16, backend_name="no_window", sliding_window=8)
-    # A default choice that cannot apply the window falls back to TORCH_SDPA (logged).
-    monkeypatch.setattr(selector, "_DEFAULT", "NO_WINDOW")
+    # A default choice (here from VLLM_ATTENTION_BACKEND) that cannot apply the window falls
+    # back to TORCH_SDPA (logged).
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "no_window")
     assert selector.get_attn_backend(16) is _NoWindowBackend
     logged = []
     monkeypatch.setattr(selector.logger, "info_once", lambda msg, *a: logged.append(msg % a))

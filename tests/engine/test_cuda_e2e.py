@@ -17,6 +17,7 @@ except ImportError:  # tests/ itself on sys.path
 
 from vllm import LLM, SamplingParams
 from vllm.compilation.counter import compilation_counter
+from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.config.compilation import CUDAGraphMode
 from vllm.engine.worker import Worker
 
@@ -98,6 +99,8 @@ def test_kv_cache_sized_from_gpu_memory_utilization(llama, monkeypatch):
 
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_compiled_level_replays_cuda_graphs_and_matches_o0(llama, level):
+    """Where Triton is installed (every CUDA build of torch) the default attention backend is
+    TRITON_ATTN, whose decode batches replay full graphs at -O2/-O3."""
     tokens0, logprobs0 = o0(llama)
     before = compilation_counter.num_cudagraph_captured
     llm = LLM(model=llama, optimization_level=level, **ENGINE)
@@ -115,6 +118,13 @@ def test_compiled_level_replays_cuda_graphs_and_matches_o0(llama, level):
         tokens, logprobs = run(llm)
     # Decode steps (up to 8 tokens, all captured sizes) replay graphs.
     assert compilation_counter.num_cudagraph_replayed > replayed
+    if level >= 2 and runner.attn_backend.get_name() == "TRITON_ATTN":
+        # Its decode kernel runs inside full graphs: the decode steps replay whole-model
+        # graphs (FULL_AND_PIECEWISE kept, not narrowed to PIECEWISE).
+        assert runner._runtime_cudagraph_mode() == CUDAGraphMode.FULL_AND_PIECEWISE
+        assert isinstance(runner.model, CUDAGraphWrapper)
+        assert runner.model.runtime_mode == CUDAGraphMode.FULL
+        assert sum(entry.replays for entry in runner.model.entries.values()) > 0
     assert tokens == tokens0
     assert len(logprobs) == len(logprobs0)
     worst = max(abs(got[t] - want[t]) for got, want in zip(logprobs, logprobs0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -17,6 +18,7 @@ logger = init_logger(__name__)
 # machine without CUDA.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "TORCH_SDPA": ("vllm.attention.backends.torch_sdpa", "TorchSDPABackend"),
+    "TRITON_ATTN": ("vllm.attention.backends.triton_attn", "TritonAttentionBackend"),
 }
 
 
@@ -24,10 +26,22 @@ def registered_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-# The default choice, and the backend every platform can run that implements every feature
-# (sliding windows).
-_DEFAULT = "TORCH_SDPA"
+# The backend every platform can run that implements every feature (sliding windows).
 _FALLBACK = "TORCH_SDPA"
+
+
+def default_backend_name() -> str:
+    """`VLLM_ATTENTION_BACKEND` if set; else TRITON_ATTN on CUDA where Triton is installed (its
+    decode batches run inside full CUDA graphs), TORCH_SDPA everywhere else."""
+    from vllm import envs
+
+    if envs.VLLM_ATTENTION_BACKEND:
+        return envs.VLLM_ATTENTION_BACKEND.upper()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda() and importlib.util.find_spec("triton") is not None:
+        return "TRITON_ATTN"
+    return _FALLBACK
 
 
 def _load(name: str) -> type[AttentionBackend]:
@@ -40,19 +54,19 @@ def _load(name: str) -> type[AttentionBackend]:
 
 def default_backend() -> type[AttentionBackend]:
     """The backend layers get when none is named (what config resolution plans for)."""
-    return _load(_DEFAULT)
+    return _load(default_backend_name())
 
 
 def get_attn_backend(head_size: int, dtype: torch.dtype | None = None,
                      kv_cache_dtype: str | None = None, block_size: int | None = None,
                      backend_name: str | None = None,
                      sliding_window: int | None = None) -> type[AttentionBackend]:
-    """The backend class for these shapes (TORCH_SDPA on every platform for now).
+    """The backend class for these shapes: `backend_name`, else `default_backend_name()`.
 
     A layer with a `sliding_window` never gets a backend that would ignore it: a default choice
     that cannot apply it falls back to TORCH_SDPA (logged); a named one is an error."""
     del dtype, kv_cache_dtype, block_size
-    name = (backend_name or _DEFAULT).upper()
+    name = (backend_name or default_backend_name()).upper()
     backend = _load(name)
     if sliding_window is not None and not backend.supports_sliding_window:
         if backend_name is not None:
@@ -61,6 +75,9 @@ def get_attn_backend(head_size: int, dtype: torch.dtype | None = None,
         logger.info_once("attention backend %s does not support sliding-window attention: "
                          "layers with a window use %s", name, _FALLBACK)
         name, backend = _FALLBACK, _load(_FALLBACK)
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"attention backend {name} cannot run here: {reason}")
     if not backend.supports_head_size(head_size):
         raise ValueError(f"attention backend {name} does not support head_size {head_size}")
     return backend

@@ -114,6 +114,7 @@ class _Entry:
     graph: GraphLike
     output: Any
     input_addresses: list[int]
+    replays: int = 0
 
 
 class CUDAGraphWrapper:
@@ -170,5 +171,6 @@ class CUDAGraphWrapper:
                 f"CUDA graph for {key} replayed with inputs at other addresses than at capture "
                 "(the runner must pass slices of its persistent buffers)")
         entry.graph.replay()
+        entry.replays += 1
         compilation_counter.num_cudagraph_replayed += 1
         return entry.output

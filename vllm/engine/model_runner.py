@@ -82,7 +82,8 @@ class ModelRunner:
             raise ValueError(f"the model's attention layers use {len(backends)} backends "
                              f"({sorted(b.get_name() for b in backends)}); one is supported")
         self.attn_backend = backends.pop()
-        self.attn_metadata_builder = self.attn_backend.get_builder_cls()()
+        self.attn_metadata_builder = self.attn_backend.get_builder_cls()(self.vllm_config,
+                                                                         self.device)
 
     @property
     def attention_layers(self) -> dict:

@@ -32,10 +32,11 @@ class CudaPlatform(Platform):
     @staticmethod
     def _keep_piecewise_graphs_over_attn_fusion(vllm_config: VllmConfig) -> None:
         """The level's Attention+QuantFP8 fusion (-O2, FP8 models with static scales) needs the
-        attention op inside one compiled graph: no pieces, full CUDA graphs only. With an
-        attention backend that cannot run inside a full graph that leaves no CUDA graph at
-        all, so the pieces (piecewise graphs) win: the fusion saves one copy per layer, the
-        graphs the launch of every op. An explicit user value is never touched."""
+        attention op inside one compiled graph: no pieces, so full CUDA graphs only. Unless
+        the attention backend runs every batch inside a full graph, that leaves the batches
+        it cannot (prompts and mixed batches, or all of them) with no CUDA graph at all, so
+        the pieces (piecewise graphs) win: the fusion saves one copy per layer, the graphs
+        the launch of every op. An explicit user value is never touched."""
         from vllm.attention.backends.abstract import AttentionCGSupport
         from vllm.attention.selector import default_backend
 
@@ -46,12 +47,15 @@ class CudaPlatform(Platform):
                 or not mode):  # None or NONE: no CUDA graphs to keep
             return
         backend = default_backend()
-        if backend.cudagraph_support != AttentionCGSupport.NEVER:
+        support = backend.cudagraph_support
+        if support == AttentionCGSupport.ALWAYS:
             return
+        what = ("cannot run inside a full CUDA graph" if support == AttentionCGSupport.NEVER
+                else f"runs only {support.name.lower().replace('_', ' ')} batches inside full "
+                     "CUDA graphs")
         vllm_config.platform_set(
-            path, False, f"the {backend.get_name()} attention backend cannot run inside a full "
-            "CUDA graph, and the fusion needs attention inside one compiled graph: piecewise "
-            "CUDA graphs are kept instead")
+            path, False, f"the {backend.get_name()} attention backend {what}, and the fusion "
+            "needs attention inside one compiled graph: piecewise CUDA graphs are kept instead")
 
     def get_device_capability(self) -> tuple[int, int] | None:
         if not self.is_available():

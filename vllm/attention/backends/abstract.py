@@ -109,3 +109,9 @@ class AttentionBackend(ABC):
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
         return head_size > 0
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run in this process (a missing package, the wrong
+        device), or None."""
+        return None

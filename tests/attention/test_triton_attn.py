@@ -1,0 +1,133 @@
+"""TRITON_ATTN: the persistent decode metadata full CUDA graphs need (no Triton needed), and
+the Triton paged-decode kernel against the reference and against TORCH_SDPA end to end, run in
+Triton's interpreter on the CPU (skipped where Triton is not installed; on a GPU the CUDA e2e
+tests run it compiled, inside full CUDA graphs)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from vllm.attention.backends.abstract import AttentionCGSupport
+from vllm.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionMetadataBuilder,
+)
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs Triton (its interpreter runs the kernel on CPU)")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_decode_metadata_stays_at_the_addresses_a_graph_captured():
+    builder = TritonAttentionMetadataBuilder(max_rows=8, max_blocks=4)
+    first = builder.build([1, 1, 1], [5, 1, 9], [[3, 4], [6], [7, 8, 2]], [20, 24, 34],
+                          num_padded_tokens=4)
+    assert first.decode_seq_lens.tolist() == [5, 1, 9, 0]  # the padding row attends to nothing
+    assert first.decode_block_table.shape == (4, 4)
+    assert first.decode_block_table[:3, :3].tolist() == [[3, 4, 0], [6, 0, 0], [7, 8, 2]]
+    assert first.slot_mapping.tolist() == [20, 24, 34, 0]  # padding writes into block 0
+    pointers = [t.data_ptr() for t in (first.decode_seq_lens, first.decode_block_table,
+                                       first.slot_mapping)]
+    # The next step's decode batch: new values, same addresses (what a replay reads).
+    second = builder.build([1, 1], [6, 2], [[3, 4], [6]], [21, 25], num_padded_tokens=4)
+    assert [t.data_ptr() for t in (second.decode_seq_lens, second.decode_block_table,
+                                   second.slot_mapping)] == pointers
+    assert second.decode_seq_lens.tolist() == [6, 2, 0, 0]
+    assert second.slot_mapping.tolist() == [21, 25, 0, 0]
+    # TORCH_SDPA's own fields are as its builder makes them (the other batches' path).
+    assert second.seq_lens.tolist() == [6, 2] and second.block_table.shape == (2, 2)
+    # Prompts and mixed batches take TORCH_SDPA's path: no decode tensors.
+    assert builder.build([3, 1], [3, 7], [[1], [2]], [16, 17, 18, 38]).decode_seq_lens is None
+    # A decode batch larger than the buffers (never a captured size) still runs, unpinned.
+    big = builder.build([1] * 9, [1] * 9, [[1]] * 9, list(range(16, 25)))
+    assert big.decode_seq_lens.tolist() == [1] * 9
+    assert big.decode_seq_lens.data_ptr() != pointers[0]
+
+
+def test_backend_reports_full_graphs_for_decode_and_is_refused_where_it_cannot_run(
+        monkeypatch):
+    from vllm.attention.selector import get_attn_backend
+
+    assert TritonAttentionBackend.cudagraph_support == \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_ATTN cannot run here: .*TORCH_SDPA"):
+        get_attn_backend(16, backend_name="TRITON_ATTN")
+
+
+def run_with_interpreter(code: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@needs_triton
+def test_decode_kernel_matches_the_reference():
+    """GQA, a head size that is no power of two, block sizes 4 and 16, a sliding window,
+    row-strided queries, block tables in any order, and padding rows (length 0: zeros)."""
+    out = run_with_interpreter("""
+        import torch
+        from vllm.attention.backends.cpu_paged_kernel import paged_attention_reference
+        from vllm.attention.backends.triton_decode_kernel import paged_decode
+        torch.manual_seed(0)
+        for heads, kv_heads, head_size, block_size, window in [
+                (4, 2, 16, 4, None), (6, 2, 24, 16, 5), (2, 2, 8, 8, None), (8, 1, 16, 4, 9)]:
+            kv = torch.randn(2, 12, block_size, kv_heads, head_size)
+            lens = [min(n, 8 * block_size) for n in (7, 1, 0, 13, 30)]
+            table = torch.zeros(7, 8, dtype=torch.int32)
+            for i in range(5):
+                table[i] = torch.randperm(11)[:8].int() + 1
+            q = torch.randn(5, 2 * heads * head_size)[:, :heads * head_size]
+            q = q.view(5, heads, head_size)
+            out = torch.full((5, heads, head_size), 7.0)
+            paged_decode(q, kv, table, torch.tensor(lens + [0, 0]), 0.3, out, window)
+            ref = torch.zeros(5, heads, head_size)
+            live = torch.tensor([i for i in range(5) if lens[i]])
+            paged_attention_reference(q.contiguous(), kv, table[:5], torch.tensor(lens),
+                                      torch.arange(6), live, 0.3, ref, window)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            assert out[2].abs().max() == 0
+        print("OK")
+    """)
+    assert out.strip().endswith("OK")
+
+
+@needs_triton
+def test_engine_with_triton_attn_generates_what_torch_sdpa_does(tmp_path):
+    """Prompts and chunks take TORCH_SDPA's path, decode batches the Triton kernel: under
+    continuous batching the tokens are TORCH_SDPA's (-O0, Qwen3 with GQA)."""
+    from tests.model_executor.hf_checkpoints import make_qwen3
+
+    path = make_qwen3(tmp_path / "qwen3")
+    code = f"""
+        import json, os, sys
+        import torch
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={str(path)!r}, optimization_level=0, max_model_len=128,
+                  max_num_batched_tokens=24, max_num_seqs=8, kv_cache_memory="16MiB")
+        g = torch.Generator().manual_seed(0)
+        prompts = [{{"prompt_token_ids": torch.randint(3, 384, (n,), generator=g).tolist()}}
+                   for n in [1, 5, 37, 3, 18]]
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5,
+                                                   min_tokens=5), use_tqdm=False)
+        layer = next(iter(llm.llm_engine.executor.worker.model_runner.attention_layers.values()))
+        print(json.dumps([layer.attn_backend.get_name(), [o.outputs[0].token_ids for o in out]]))
+    """
+    import json
+
+    os.environ["VLLM_ATTENTION_BACKEND"] = "TRITON_ATTN"
+    try:
+        triton_name, triton_tokens = json.loads(run_with_interpreter(code).splitlines()[-1])
+    finally:
+        del os.environ["VLLM_ATTENTION_BACKEND"]
+    sdpa_name, sdpa_tokens = json.loads(run_with_interpreter(code).splitlines()[-1])
+    assert (triton_name, sdpa_name) == ("TRITON_ATTN", "TORCH_SDPA")
+    assert triton_tokens == sdpa_tokens
