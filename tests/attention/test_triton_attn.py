@@ -61,6 +61,23 @@ def test_backend_reports_full_graphs_for_decode_and_is_refused_where_it_cannot_r
         get_attn_backend(16, backend_name="TRITON_ATTN")
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"], indirect=True)
+@pytest.mark.parametrize("has_triton", [True, False])
+def test_default_backend_is_triton_attn_on_cuda_with_triton(platform, has_triton, monkeypatch):
+    from vllm.attention import selector
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (real_find_spec("torch") if has_triton else None) if name == "triton"
+        else real_find_spec(name, *a)))
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+    expected = "TRITON_ATTN" if platform.is_cuda() and has_triton else "TORCH_SDPA"
+    assert selector.default_backend_name() == expected
+    assert selector.default_backend().get_name() == expected
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "torch_sdpa")  # the user's choice wins
+    assert selector.default_backend_name() == "TORCH_SDPA"
+
+
 def run_with_interpreter(code: str) -> str:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO}
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,

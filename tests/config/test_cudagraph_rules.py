@@ -96,15 +96,22 @@ def test_attn_fusion_needs_attention_inside_the_graph(platform):
 
 
 @cuda
+@pytest.mark.parametrize("backend, why", [
+    ("TORCH_SDPA", "cannot run inside a full CUDA graph"),
+    ("TRITON_ATTN", "runs only uniform single token decode batches inside full CUDA graphs")])
 @pytest.mark.parametrize("level", [2, 3])
-def test_level_attn_fusion_gives_way_to_piecewise_graphs(level, platform):
-    """The levels' fusion would leave no CUDA graph with an attention backend that cannot run
-    inside a full one (TORCH_SDPA): the CUDA platform turns it off and keeps the pieces."""
+def test_level_attn_fusion_gives_way_to_piecewise_graphs(level, backend, why, platform,
+                                                         monkeypatch):
+    """The levels' fusion would leave the batches an attention backend cannot run inside a
+    full CUDA graph (TORCH_SDPA: all; TRITON_ATTN: all but uniform decode) with no CUDA graph
+    at all: the CUDA platform turns it off and keeps the pieces."""
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", backend)
     config = VllmConfig(model_config=model_configs.fp8(), optimization_level=level)
     cc = config.compilation_config
     assert cc.pass_config.fuse_attn_quant is False
     prov = config.provenance["compilation_config.pass_config.fuse_attn_quant"]
-    assert prov.source == "platform cuda" and "TORCH_SDPA" in prov.reason
+    assert prov.source == "platform cuda" and f"the {backend} attention backend {why}" \
+        in prov.reason
     assert cc.splitting_ops == ATTENTION_OPS
     assert cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
     # The other FP8 fusions stay on.
