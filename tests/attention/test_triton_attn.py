@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from vllm.attention.backends.abstract import AttentionCGSupport
 from vllm.attention.backends.triton_attn import (
