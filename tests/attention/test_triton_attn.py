@@ -147,3 +147,65 @@ def test_engine_with_triton_attn_generates_what_torch_sdpa_does(tmp_path):
     sdpa_name, sdpa_tokens = json.loads(run_with_interpreter(code).splitlines()[-1])
     assert (triton_name, sdpa_name) == ("TRITON_ATTN", "TORCH_SDPA")
     assert triton_tokens == sdpa_tokens
+
+
+@needs_triton
+def test_decode_graphs_replay_with_the_captured_metadata(tmp_path):
+    """The full-graph contract, checked on the CPU: a replay stands for the kernels recorded
+    at capture, so it may only see the metadata *objects* of the capture (their tensors at
+    the captured addresses), never the step's own. A fake graph that replays with the
+    captured metadata must still generate TORCH_SDPA's tokens: every value a decode step
+    changes reaches the captured tensors in place."""
+    from tests.model_executor.hf_checkpoints import make_qwen3
+
+    path = make_qwen3(tmp_path / "qwen3")
+    code = f"""
+        import json
+        import torch
+        from vllm import LLM, SamplingParams
+        from vllm.compilation.cuda_graph import FakeCUDAGraph, override_graph_factory
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.forward_context import get_forward_context
+
+        class ReplayWithCapturedMetadata(FakeCUDAGraph):
+            def capture(self, fn):
+                self.metadata = get_forward_context().attn_metadata
+                return super().capture(fn)
+
+            def replay(self):
+                context = get_forward_context()
+                live, context.attn_metadata = context.attn_metadata, self.metadata
+                try:
+                    super().replay()
+                finally:
+                    context.attn_metadata = live
+
+        llm = LLM(model={str(path)!r}, optimization_level=0, max_model_len=128,
+                  max_num_batched_tokens=24, max_num_seqs=8, kv_cache_memory="16MiB")
+        runner = llm.llm_engine.executor.worker.model_runner
+        if runner.attn_backend.get_name() == "TRITON_ATTN":
+            # The CPU has no CUDA graphs: decode-only full graphs, captured with the fake.
+            cc = runner.vllm_config.compilation_config
+            cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+            cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [1, 2, 4, 8], 8
+            with override_graph_factory(ReplayWithCapturedMetadata), torch.inference_mode():
+                runner.capture_model()
+        g = torch.Generator().manual_seed(1)
+        prompts = [{{"prompt_token_ids": torch.randint(3, 384, (n,), generator=g).tolist()}}
+                   for n in [1, 5, 37, 3, 18, 9]]
+        out = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+                                     for n in [12, 6, 16, 10, 14, 8]], use_tqdm=False)
+        entries = getattr(runner.model, "entries", {{}})
+        print(json.dumps([sum(e.replays for e in entries.values()),
+                          [o.outputs[0].token_ids for o in out]]))
+    """
+    import json
+
+    os.environ["VLLM_ATTENTION_BACKEND"] = "TRITON_ATTN"
+    try:
+        replays, tokens = json.loads(run_with_interpreter(code).splitlines()[-1])
+    finally:
+        del os.environ["VLLM_ATTENTION_BACKEND"]
+    none, reference = json.loads(run_with_interpreter(code).splitlines()[-1])
+    assert none == 0 and replays >= 8
+    assert tokens == reference
