@@ -5,6 +5,7 @@ tests run it compiled, inside full CUDA graphs)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -77,12 +78,21 @@ def test_default_backend_is_triton_attn_on_cuda_with_triton(platform, has_triton
     assert selector.default_backend_name() == "TORCH_SDPA"
 
 
-def run_with_interpreter(code: str) -> str:
+def run_with_interpreter(code: str, backend: str | None = None) -> str:
+    """`code`'s stdout, run in a new process with Triton's interpreter on (and
+    VLLM_ATTENTION_BACKEND=`backend`)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO}
+    env.pop("VLLM_ATTENTION_BACKEND", None)
+    if backend is not None:
+        env["VLLM_ATTENTION_BACKEND"] = backend
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+def last_json(stdout: str) -> object:
+    return json.loads(stdout.splitlines()[-1])
 
 
 @needs_triton
@@ -137,14 +147,8 @@ def test_engine_with_triton_attn_generates_what_torch_sdpa_does(tmp_path):
         layer = next(iter(llm.llm_engine.executor.worker.model_runner.attention_layers.values()))
         print(json.dumps([layer.attn_backend.get_name(), [o.outputs[0].token_ids for o in out]]))
     """
-    import json
-
-    os.environ["VLLM_ATTENTION_BACKEND"] = "TRITON_ATTN"
-    try:
-        triton_name, triton_tokens = json.loads(run_with_interpreter(code).splitlines()[-1])
-    finally:
-        del os.environ["VLLM_ATTENTION_BACKEND"]
-    sdpa_name, sdpa_tokens = json.loads(run_with_interpreter(code).splitlines()[-1])
+    triton_name, triton_tokens = last_json(run_with_interpreter(code, "TRITON_ATTN"))
+    sdpa_name, sdpa_tokens = last_json(run_with_interpreter(code))
     assert (triton_name, sdpa_name) == ("TRITON_ATTN", "TORCH_SDPA")
     assert triton_tokens == sdpa_tokens
 
@@ -199,13 +203,7 @@ def test_decode_graphs_replay_with_the_captured_metadata(tmp_path):
         print(json.dumps([sum(e.replays for e in entries.values()),
                           [o.outputs[0].token_ids for o in out]]))
     """
-    import json
-
-    os.environ["VLLM_ATTENTION_BACKEND"] = "TRITON_ATTN"
-    try:
-        replays, tokens = json.loads(run_with_interpreter(code).splitlines()[-1])
-    finally:
-        del os.environ["VLLM_ATTENTION_BACKEND"]
-    none, reference = json.loads(run_with_interpreter(code).splitlines()[-1])
+    replays, tokens = last_json(run_with_interpreter(code, "TRITON_ATTN"))
+    none, reference = last_json(run_with_interpreter(code))
     assert none == 0 and replays >= 8
     assert tokens == reference
