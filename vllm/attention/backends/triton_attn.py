@@ -51,7 +51,7 @@ class TritonAttentionMetadataBuilder(TorchSDPAMetadataBuilder):
 
     `max_rows` / `max_blocks` size the persistent buffers (default: from the config: the
     larger of max_num_seqs and the largest CUDA-graph capture size, and max_model_len in
-    blocks); a decode batch that does not fit (only possible outside captured sizes) gets
+    blocks), allocated on `device` at once (else at the first decode batch); a decode batch that does not fit (only possible outside captured sizes) gets
     fresh tensors instead, which is correct but not replayable."""
 
     def __init__(self, vllm_config: Any = None, device: torch.device | str | None = None,
@@ -65,8 +65,9 @@ class TritonAttentionMetadataBuilder(TorchSDPAMetadataBuilder):
             max_blocks = max_blocks or -(-max_model_len // block_size)
         self.max_rows = max_rows or 256
         self.max_blocks = max_blocks or 256
-        self.device = device
         self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if device is not None:
+            self._persistent(device)
 
     def _persistent(self, device: torch.device | str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
