@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from vllm.attention.backends.abstract import AttentionCGSupport
 from vllm.attention.backends.triton_attn import (
@@ -81,7 +82,9 @@ def test_default_backend_is_triton_attn_on_cuda_with_triton(platform, has_triton
 def run_with_interpreter(code: str, backend: str | None = None) -> str:
     """`code`'s stdout, run in a new process with Triton's interpreter on (and
     VLLM_ATTENTION_BACKEND=`backend`)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO}
+    # On the CPU platform even where a GPU is visible: the interpreter runs on host tensors.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO, "VLLM_PLATFORM": "cpu",
+           "CUDA_VISIBLE_DEVICES": ""}
     env.pop("VLLM_ATTENTION_BACKEND", None)
     if backend is not None:
         env["VLLM_ATTENTION_BACKEND"] = backend
@@ -126,13 +129,42 @@ def test_decode_kernel_matches_the_reference():
     assert out.strip().endswith("OK")
 
 
-@needs_triton
-def test_engine_with_triton_attn_generates_what_torch_sdpa_does(tmp_path):
-    """Prompts and chunks take TORCH_SDPA's path, decode batches the Triton kernel: under
-    continuous batching the tokens are TORCH_SDPA's (-O0, Qwen3 with GQA)."""
-    from tests.model_executor.hf_checkpoints import make_qwen3
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_compiled_on_cuda_matches_the_reference(dtype):
+    from vllm.attention.backends.cpu_paged_kernel import paged_attention_reference
+    from vllm.attention.backends.triton_decode_kernel import paged_decode
 
-    path = make_qwen3(tmp_path / "qwen3")
+    torch.manual_seed(0)
+    heads, kv_heads, head_size, block_size = 8, 2, 128, 16
+    kv = torch.randn(2, 40, block_size, kv_heads, head_size, dtype=dtype)
+    lens = [100, 1, 0, 33, 257 % (38 * block_size)]
+    table = torch.zeros(6, 38, dtype=torch.int32)
+    for i in range(5):
+        table[i] = torch.randperm(39)[:38].int() + 1
+    q = torch.randn(5, heads, head_size, dtype=dtype)
+    for window in (None, 20):
+        out = torch.empty(5, heads, head_size, dtype=dtype, device="cuda")
+        paged_decode(q.cuda(), kv.cuda(), table.cuda(), torch.tensor(lens + [0]).cuda(), 0.1,
+                     out, window)
+        ref = torch.zeros(5, heads, head_size, dtype=dtype)
+        live = torch.tensor([i for i in range(5) if lens[i]])
+        paged_attention_reference(q, kv, table[:5], torch.tensor(lens), torch.arange(6), live,
+                                  0.1, ref, window)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.cpu(), ref, atol=tol, rtol=tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("model, overrides", [("qwen3", {}), ("mistral", {"sliding_window": 8})])
+def test_engine_with_triton_attn_generates_what_torch_sdpa_does(tmp_path, model, overrides):
+    """Prompts and chunks take TORCH_SDPA's path, decode batches the Triton kernel: under
+    continuous batching the tokens are TORCH_SDPA's (-O0; Qwen3 with GQA, Mistral with a
+    sliding window shorter than the sequences)."""
+    from tests.model_executor.hf_checkpoints import MAKERS
+
+    path = MAKERS[model](tmp_path / model, **overrides)
     code = f"""
         import json, os, sys
         import torch
