@@ -221,6 +221,8 @@ def test_cc_bad_cudagraph_mode_lists_valid_modes(capsys):
 def test_cc_bad_value_type(capsys):
     line = parse_error(capsys, "-cc.pass_config.fuse_norm_quant=maybe")
     assert "fuse_norm_quant must be true or false" in line
+    line = parse_error(capsys, "-cc.cpp_wrapper=maybe")
+    assert "compilation_config.cpp_wrapper must be true or false, got 'maybe'" in line
 
 
 def test_cc_dotted_without_value(capsys):

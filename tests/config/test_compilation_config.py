@@ -65,6 +65,14 @@ def test_unknown_key_names_closest():
 def test_bad_values():
     with pytest.raises(ValueError, match="pass_config.fuse_norm_quant must be true or false"):
         CompilationConfig.from_dict({"pass_config": {"fuse_norm_quant": "yes"}})
+    # Every on/off switch of the compilation config, not only the passes' (a string from a
+    # command line would be truthy).
+    for name in ("use_inductor_graph_partition", "freezing", "prepack_linear_weights",
+                 "max_autotune", "coordinate_descent_tuning", "cpp_wrapper"):
+        with pytest.raises(ValueError,
+                           match=f"compilation_config.{name} must be true or false, got 'maybe'"):
+            CompilationConfig.from_dict({name: "maybe"})
+        assert getattr(CompilationConfig.from_dict({name: False}), name) is False
     with pytest.raises(ValueError, match="Invalid backend for piecewise compilation"):
         CompilationConfig(mode=3, backend="cudagraphs")
     with pytest.raises(ValueError, match="cudagraph_capture_sizes must hold positive"):

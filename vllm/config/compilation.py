@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.config.utils import config_from_dict, hash_fields
+from vllm.config.utils import check_bool_fields, config_from_dict, hash_fields
 
 
 class CompilationMode(enum.IntEnum):
@@ -130,12 +130,7 @@ class PassConfig:
     """Tensor-parallel all-reduce followed by RMSNorm -> one fused collective."""
 
     def __post_init__(self) -> None:
-        for name in ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant",
-                     "fuse_allreduce_rms"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(
-                    f"pass_config.{name} must be true or false, got {value!r}")
+        check_bool_fields(self, "pass_config")
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "pass_config") -> PassConfig:
@@ -208,6 +203,7 @@ class CompilationConfig:
             raise ValueError(
                 f"Invalid backend for piecewise compilation: {self.backend!r}. "
                 "With mode VLLM_COMPILE the backend must be 'inductor' or 'eager'.")
+        check_bool_fields(self, "compilation_config")
         self._validate_custom_ops()
         for name in ("cudagraph_capture_sizes", "compile_ranges_endpoints", "compile_sizes"):
             sizes = getattr(self, name)

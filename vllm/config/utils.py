@@ -44,6 +44,18 @@ def closest_key(key: str, valid: list[str]) -> str:
     return "valid keys: " + ", ".join(sorted(valid))
 
 
+def check_bool_fields(obj: Any, path: str) -> None:
+    """Every field of dataclass `obj` declared `bool` or `bool | None` holds a bool (or None):
+    a ValueError naming `path.field` and the bad value otherwise (a string such as "maybe"
+    from a command line would be truthy)."""
+    for f in dataclasses.fields(obj):
+        if f.type not in ("bool", "bool | None", bool):
+            continue
+        value = getattr(obj, f.name)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{path}.{f.name} must be true or false, got {value!r}")
+
+
 def config_from_dict(cls: type, data: dict, path: str, nested: dict[str, type] | None = None):
     """Build dataclass `cls` from a dict, rejecting unknown keys with the closest valid key."""
     if not isinstance(data, dict):
