@@ -51,8 +51,9 @@ class TritonAttentionMetadataBuilder(TorchSDPAMetadataBuilder):
 
     `max_rows` / `max_blocks` size the persistent buffers (default: from the config: the
     larger of max_num_seqs and the largest CUDA-graph capture size, and max_model_len in
-    blocks), allocated on `device` at once (else at the first decode batch); a decode batch that does not fit (only possible outside captured sizes) gets
-    fresh tensors instead, which is correct but not replayable."""
+    blocks), allocated on `device` at once (else at the first decode batch). A decode batch
+    that does not fit (only possible outside the captured sizes) gets fresh tensors instead:
+    correct, but not replayable."""
 
     def __init__(self, vllm_config: Any = None, device: torch.device | str | None = None,
                  max_rows: int | None = None, max_blocks: int | None = None) -> None:
