@@ -125,3 +125,23 @@ def test_env_path_wins_with_a_warning_and_o0_says_it_dumps_nothing(tmp_path, mon
     caplog.clear()
     VllmConfig(optimization_level=0, compilation_config={"debug_dump_path": str(tmp_path)})
     assert "compiles nothing, so nothing is dumped" in caplog.text
+
+
+def test_a_dump_path_that_cannot_be_a_directory_is_refused_while_resolving(tmp_path,
+                                                                          monkeypatch):
+    """Named with the value and the reason, before anything compiles (it used to surface as
+    a failed Dynamo trace)."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for path, reason in [(a_file, "is not a directory"),
+                         (a_file / "below", "cannot be created: .* is a file")]:
+        with pytest.raises(ValueError, match=f"debug_dump_path '{path}'.*{reason}"):
+            VllmConfig(optimization_level=1, compilation_config={"debug_dump_path": str(path)})
+    monkeypatch.setenv("VLLM_DEBUG_DUMP_PATH", str(a_file))
+    with pytest.raises(ValueError, match="VLLM_DEBUG_DUMP_PATH .* is not a directory"):
+        VllmConfig(optimization_level=1)
+    monkeypatch.delenv("VLLM_DEBUG_DUMP_PATH")
+    # A directory still to be made (nested) is fine: the dump creates it.
+    nested = tmp_path / "new" / "dump"
+    config = VllmConfig(optimization_level=1, compilation_config={"debug_dump_path": str(nested)})
+    assert config.compilation_config.debug_dump_path == str(nested)

@@ -310,6 +310,9 @@ class VllmConfig:
             cc.debug_dump_path = env_path
         if cc.debug_dump_path:
             cc.debug_dump_path = os.path.abspath(os.path.expanduser(cc.debug_dump_path))
+            _check_dump_directory(cc.debug_dump_path,
+                                  "VLLM_DEBUG_DUMP_PATH" if env_path else
+                                  "compilation_config.debug_dump_path")
             if cc.mode == CompilationMode.NONE:
                 logger.warning("debug_dump_path %s is set, but compilation mode NONE (-O0) "
                                "compiles nothing, so nothing is dumped; use -O1 or higher.",
@@ -414,3 +417,21 @@ def _warn_enforce_eager_once() -> None:
                "CUDA graphs); use -O0 / optimization_level=0 instead.")
     logger.warning(message)
     warnings.warn(message, DeprecationWarning, stacklevel=4)
+
+
+def _check_dump_directory(path: str, what: str) -> None:
+    """A debug dump directory must be one, or creatable: checked while resolving the config,
+    so that a bad path is named as such, not met as a failure in the middle of a compile."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{what} {path!r} is not a directory (a file is there); give a "
+                             "directory to write the dump into")
+        parent = path
+    else:
+        parent = os.path.dirname(path)
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            raise ValueError(f"{what} {path!r} cannot be created: {parent!r} is a file")
+    if parent and not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path!r}: {parent!r} is not writable")
