@@ -76,6 +76,36 @@ def test_inductor_options_from_fields_and_inductor_compile_config_wins():
     assert inductor_config_patches(given, None)["cpp_wrapper"] is False
 
 
+def test_an_unusable_cache_directory_disables_the_cache_with_a_warning(tmp_path, monkeypatch,
+                                                                      caplog):
+    """A cache root that is a file (or below one) is named in the reason; one that fails only
+    when created is caught too: the start goes on without the cache (it used to fail the
+    Dynamo trace with a NotADirectoryError)."""
+    from torch import fx
+
+    from vllm.compilation.backends import VllmBackend
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    reason = cache_disabled_reason(config(cache_dir=str(a_file)))
+    assert reason == f"the cache directory '{a_file}' is not usable: it is a file, not a directory"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(a_file))
+    assert "it cannot be created: " in cache_disabled_reason(config())
+    backend = VllmBackend(config())
+    backend._open_cache(fx.GraphModule({}, fx.Graph()))
+    assert backend.cache is None and "compile cache: disabled (the cache directory" in caplog.text
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(CompileCache, "for_model", refuse)
+    backend = VllmBackend(config())
+    backend._open_cache(fx.GraphModule({}, fx.Graph()))
+    assert backend.cache is None
+    assert "cannot create its directory: read-only file system" in caplog.text
+
+
 def test_disabled_by_env_turns_inductors_own_caches_off_too(monkeypatch):
     """Otherwise Inductor's FX graph cache (in its default directory) still hands back
     earlier compiles, and our passes do not run."""

@@ -133,12 +133,12 @@ def test_a_dump_path_that_cannot_be_a_directory_is_refused_while_resolving(tmp_p
     a failed Dynamo trace)."""
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    for path, reason in [(a_file, "is not a directory"),
-                         (a_file / "below", "cannot be created: .* is a file")]:
+    for path, reason in [(a_file, "it is a file, not a directory"),
+                         (a_file / "below", "it cannot be created: .* is a file")]:
         with pytest.raises(ValueError, match=f"debug_dump_path '{path}'.*{reason}"):
             VllmConfig(optimization_level=1, compilation_config={"debug_dump_path": str(path)})
     monkeypatch.setenv("VLLM_DEBUG_DUMP_PATH", str(a_file))
-    with pytest.raises(ValueError, match="VLLM_DEBUG_DUMP_PATH .* is not a directory"):
+    with pytest.raises(ValueError, match="VLLM_DEBUG_DUMP_PATH .* is a file, not a directory"):
         VllmConfig(optimization_level=1)
     monkeypatch.delenv("VLLM_DEBUG_DUMP_PATH")
     # A directory still to be made (nested) is fine: the dump creates it.

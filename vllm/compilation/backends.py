@@ -18,7 +18,11 @@ import torch
 import torch.fx as fx
 
 from vllm.compilation import inductor_light
-from vllm.compilation.cache import CompileCache, cache_disabled_reason
+from vllm.compilation.cache import (
+    CompileCache,
+    cache_directory_problem,
+    cache_disabled_reason,
+)
 from vllm.compilation.compiler_interface import graph_hash, make_compiler
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
@@ -222,12 +226,19 @@ class VllmBackend:
     def _open_cache(self, gm: fx.GraphModule) -> None:
         reason = cache_disabled_reason(self.vllm_config)
         if reason is not None:
-            logger.info("compile cache: disabled (%s)", reason)
+            # A directory that cannot be used is a setting to fix (VLLM_CACHE_ROOT,
+            # compilation_config.cache_dir): the start goes on, compiling everything.
+            log = logger.warning if cache_directory_problem(self.vllm_config) else logger.info
+            log("compile cache: disabled (%s)", reason)
             return
         self.traced_files = traced_source_files(gm)
         files = self.model_source_files + self.traced_files
-        self.cache = CompileCache.for_model(self.vllm_config, files, self.pass_manager.uuid(),
-                                            self.rank)
+        try:
+            self.cache = CompileCache.for_model(self.vllm_config, files,
+                                                self.pass_manager.uuid(), self.rank)
+        except OSError as e:  # e.g. a root the checks above cannot see is read-only
+            logger.warning("compile cache: disabled (cannot create its directory: %s)", e)
+            return
         logger.info("compile cache: using %s", self.cache.directory)
 
     # ---- one piece, one range or size ----------------------------------------------------

@@ -134,7 +134,16 @@ def cache_disabled_reason(vllm_config: VllmConfig) -> str | None:
         return "debug_dump_path is set: everything is compiled so that the dump is complete"
     if vllm_config.compilation_config.backend != "inductor":
         return f"backend {vllm_config.compilation_config.backend!r} produces nothing to cache"
-    return None
+    return cache_directory_problem(vllm_config)
+
+
+def cache_directory_problem(vllm_config: VllmConfig) -> str | None:
+    """Why the cache root cannot be written (named with the path), or None."""
+    from vllm.config.utils import directory_problem
+
+    root = cache_root(vllm_config)
+    problem = directory_problem(root)
+    return None if problem is None else f"the cache directory {root!r} is not usable: {problem}"
 
 
 class CompileCache:

@@ -6,6 +6,7 @@ import difflib
 import enum
 import hashlib
 import json
+import os
 import re
 from typing import Any
 
@@ -42,6 +43,24 @@ def closest_key(key: str, valid: list[str]) -> str:
     if close:
         return f"did you mean '{close[0]}'?"
     return "valid keys: " + ", ".join(sorted(valid))
+
+
+def directory_problem(path: str) -> str | None:
+    """Why `path` cannot be used as a directory to write into (it is a file, lies below one,
+    or the nearest existing directory is not writable), or None. Creates nothing."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "it is a file, not a directory"
+        existing = path
+    else:
+        existing = os.path.dirname(path)
+        while existing and not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if existing and not os.path.isdir(existing):
+            return f"it cannot be created: {existing!r} is a file"
+    if existing and not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing!r} is not writable"
+    return None
 
 
 def check_bool_fields(obj: Any, path: str) -> None:

@@ -28,7 +28,7 @@ from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
-from vllm.config.utils import to_jsonable
+from vllm.config.utils import directory_problem, to_jsonable
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -310,9 +310,13 @@ class VllmConfig:
             cc.debug_dump_path = env_path
         if cc.debug_dump_path:
             cc.debug_dump_path = os.path.abspath(os.path.expanduser(cc.debug_dump_path))
-            _check_dump_directory(cc.debug_dump_path,
-                                  "VLLM_DEBUG_DUMP_PATH" if env_path else
-                                  "compilation_config.debug_dump_path")
+            # Checked here, so that a bad path is named as such, not met as a failure in the
+            # middle of a compile.
+            problem = directory_problem(cc.debug_dump_path)
+            if problem is not None:
+                what = "VLLM_DEBUG_DUMP_PATH" if env_path else "compilation_config.debug_dump_path"
+                raise ValueError(f"{what} {cc.debug_dump_path!r} cannot hold the debug dump: "
+                                 f"{problem}")
             if cc.mode == CompilationMode.NONE:
                 logger.warning("debug_dump_path %s is set, but compilation mode NONE (-O0) "
                                "compiles nothing, so nothing is dumped; use -O1 or higher.",
@@ -418,20 +422,3 @@ def _warn_enforce_eager_once() -> None:
     logger.warning(message)
     warnings.warn(message, DeprecationWarning, stacklevel=4)
 
-
-def _check_dump_directory(path: str, what: str) -> None:
-    """A debug dump directory must be one, or creatable: checked while resolving the config,
-    so that a bad path is named as such, not met as a failure in the middle of a compile."""
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise ValueError(f"{what} {path!r} is not a directory (a file is there); give a "
-                             "directory to write the dump into")
-        parent = path
-    else:
-        parent = os.path.dirname(path)
-        while parent and not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if parent and not os.path.isdir(parent):
-            raise ValueError(f"{what} {path!r} cannot be created: {parent!r} is a file")
-    if parent and not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} {path!r}: {parent!r} is not writable")
