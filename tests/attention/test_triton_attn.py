@@ -79,6 +79,30 @@ def test_default_backend_is_triton_attn_on_cuda_with_triton(platform, has_triton
     assert selector.default_backend_name() == "TORCH_SDPA"
 
 
+def test_a_failing_decode_kernel_is_named_with_the_way_around_it(monkeypatch):
+    """Here the kernel cannot run (no Triton, or Triton without its interpreter on CPU
+    tensors): the error says which kernel failed and how to run without it."""
+    from vllm.attention.backends.triton_attn import TritonAttentionImpl
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        if getattr(getattr(triton, "knobs", None), "runtime", None) is not None:
+            monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    impl = TritonAttentionImpl(2, 8, 0.3, num_kv_heads=1)
+    md = TritonAttentionMetadataBuilder(max_rows=4, max_blocks=2).build(
+        [1, 1], [3, 1], [[1], [2]], [18, 32])
+    kv_cache = torch.zeros(2, 3, 16, 1, 8)
+    query, key = torch.randn(2, 16), torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="TRITON_ATTN decode kernel failed .*"
+                                           "VLLM_ATTENTION_BACKEND=TORCH_SDPA"):
+        impl.forward(None, query, key, key.clone(), kv_cache, md, torch.empty_like(query))
+    # The step's K/V were written before the kernel ran.
+    assert torch.equal(kv_cache[0, 1, 2, 0], key[0]) and torch.equal(kv_cache[1, 2, 0, 0],
+                                                                      key[1])
+
+
 def run_with_interpreter(code: str, backend: str | None = None) -> str:
     """`code`'s stdout, run in a new process with Triton's interpreter on (and
     VLLM_ATTENTION_BACKEND=`backend`)."""

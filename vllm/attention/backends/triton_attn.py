@@ -116,8 +116,6 @@ class TritonAttentionImpl(TorchSDPAImpl):
         if getattr(md, "decode_seq_lens", None) is None or kv_cache.dtype != query.dtype:
             return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale=output_scale)
-        from vllm.attention.backends.triton_decode_kernel import paged_decode
-
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache tensor must be contiguous "
                              "[2, num_blocks, block_size, num_kv_heads, head_size]")
@@ -128,9 +126,16 @@ class TritonAttentionImpl(TorchSDPAImpl):
         flat[0].index_copy_(0, slots, key.view(rows, kv_heads, head_size))
         flat[1].index_copy_(0, slots, value.view(rows, kv_heads, head_size))
         result = output if output_scale is None else torch.empty_like(query)
-        paged_decode(query.view(rows, heads, head_size), kv_cache, md.decode_block_table,
-                     md.decode_seq_lens, self.scale, result.view(rows, heads, head_size),
-                     window=self.sliding_window)
+        try:
+            from vllm.attention.backends.triton_decode_kernel import paged_decode
+
+            paged_decode(query.view(rows, heads, head_size), kv_cache, md.decode_block_table,
+                         md.decode_seq_lens, self.scale, result.view(rows, heads, head_size),
+                         window=self.sliding_window)
+        except Exception as e:
+            raise RuntimeError(
+                f"the TRITON_ATTN decode kernel failed ({type(e).__name__}: {e}); "
+                "VLLM_ATTENTION_BACKEND=TORCH_SDPA runs without it (no full CUDA graphs)") from e
         if output_scale is not None:
             self._output_scale = output_scale
             output.copy_(self._to_output(result))
