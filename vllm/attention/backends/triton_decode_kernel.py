@@ -19,10 +19,11 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, scale,
-                 stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_table_row,
-                 stride_k_block, stride_k_slot, stride_k_head, window,
-                 GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_SIZE: tl.constexpr,
-                 HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_P2: tl.constexpr):
+                         stride_q_row, stride_q_head, stride_o_row, stride_o_head,
+                         stride_table_row, stride_k_block, stride_k_slot, stride_k_head, window,
+                         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                         HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_P2: tl.constexpr):
     """One program: one row (query token) x one KV head (its GROUP query heads)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
