@@ -47,8 +47,8 @@ def expected(level: int, model: str, platform: str) -> dict:
         "compilation_config.max_autotune": level == 3 and cuda,
         "compilation_config.coordinate_descent_tuning": level == 3 and cuda,
         "compilation_config.compile_sizes": [1, 2, 4, 8, 16] if level == 3 and cuda else [],
-        # CPU O3: C++ host code for its whole graph (measured faster on the CPU only).
-        "compilation_config.cpp_wrapper": level == 3 and not cuda,
+        # CPU O2/O3: C++ host code (Inductor's C++ wrapper; measured faster on the CPU only).
+        "compilation_config.cpp_wrapper": level >= 2 and not cuda,
         "compilation_config.pass_config.eliminate_noops": level >= 1,
         "compilation_config.pass_config.fuse_norm_quant": fp8 and level >= 1,
         "compilation_config.pass_config.fuse_act_quant": fp8 and level >= 1,
@@ -116,6 +116,7 @@ def test_level_not_in_hash(platform):
                              compilation_config={"mode": 0, "cudagraph_mode": "NONE",
                                                  "pass_config": {"eliminate_noops": False},
                                                  "prepack_linear_weights": False,
+                                                 "cpp_wrapper": False,
                                                  "use_inductor_graph_partition": False})
     assert explicit_o0.compute_hash() == by_level[0]
 

@@ -26,12 +26,11 @@ class OptimizationLevel(enum.IntEnum):
     """Our compile backend (Inductor per piece) and piecewise CUDA graphs: compile fast."""
     O2 = 2
     """O1 + full and piecewise CUDA graphs, no-op elimination and fusion passes; CPU: linear
-    weights prepacked for oneDNN. The default."""
+    weights prepacked for oneDNN, C++ host code (Inductor's C++ wrapper). The default."""
     O3 = 3
     """O2 + Inductor autotuning and per-size compiles for common decode sizes: tune for speed.
     CPU: those measured no faster there, so its platform turns them off and compiles the
-    whole model as one graph instead (vllm/platforms/cpu.py), with C++ host code (Inductor's
-    C++ wrapper)."""
+    whole model as one graph instead (vllm/platforms/cpu.py)."""
 
     @classmethod
     def parse(cls, value: Any) -> OptimizationLevel:
@@ -91,15 +90,16 @@ PREPACK_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
                       "batch 16, x1.00 at batch 1 vs O1; cacheable)")
 
 # CPU, measured like the whole-graph compile (benchmarks/bench_level_switches.py, paired rounds,
-# results/cpu_levels.md): Inductor's C++ wrapper on top of O3's whole graph runs decode x1.15 /
-# x1.07 faster at batch 1 / 16 on the demo model (the Python host code of ~100 ops a step
-# goes); x1.00 / x1.01 on the memory-bound Qwen2.5-0.5B shape, whose cold compile it
-# lengthens (19 -> 40 s: one C++ wrapper for the whole graph; warm starts load the built
-# wrapper without Inductor). At O2 it measured x1.06 / x1.03 (the pieces' calls stay
-# Python), too little for the default level.
+# results/cpu_levels.md): Inductor's C++ wrapper (the compiled code's host side in C++, so the
+# ~100 op calls of a step leave the Python interpreter) runs decode x1.07 / x1.06 faster at
+# batch 1 / 16 on the demo model at O2 and x1.03 / x1.00 on the memory-bound Qwen2.5-0.5B
+# shape, with no longer a cold start there (the pieces of identical layers share one build);
+# over O3's whole graph x1.15 / x1.07 (demo), x1.00 / x1.01 (0.5B shape, whose whole-graph
+# build it lengthens 19 -> 40 s). Warm starts load the built wrappers without Inductor.
 CPP_WRAPPER_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
-                          "platform is the CPU (C++ host code: decode x1.15 / x1.07 at batch 1 / "
-                          "16 over O3 without it on the demo model, x1.00 on the 0.5B shape)")
+                          "platform is the CPU (C++ host code: decode x1.07 / x1.06 at batch 1 / "
+                          "16 on the demo model, x1.03 / x1.00 on the 0.5B shape, no longer "
+                          "cold start)")
 
 # Token counts that get their own static-shape compile at O3: the common decode batch sizes.
 O3_COMPILE_SIZES = [1, 2, 4, 8, 16]
@@ -140,6 +140,7 @@ _O2 = {
     # compiling it again. -cc.freezing=true still opts in.
     f"{_CC}.freezing": False,
     f"{_CC}.prepack_linear_weights": PREPACK_ON_CPU,
+    f"{_CC}.cpp_wrapper": CPP_WRAPPER_ON_CPU,
     f"{_PC}.fuse_attn_quant": FP8_STATIC,
     f"{_PC}.fuse_allreduce_rms": TP_ALLREDUCE,
 }
@@ -152,7 +153,6 @@ _O3 = {
     f"{_CC}.max_autotune": True,
     f"{_CC}.coordinate_descent_tuning": True,
     f"{_CC}.compile_sizes": O3_COMPILE_SIZES,
-    f"{_CC}.cpp_wrapper": CPP_WRAPPER_ON_CPU,
 }
 
 OPTIMIZATION_LEVEL_TO_CONFIG: dict[OptimizationLevel, dict[str, Any]] = {
