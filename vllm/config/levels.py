@@ -90,12 +90,13 @@ PREPACK_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
                       "batch 16, x1.00 at batch 1 vs O1; cacheable)")
 
 # CPU, measured with benchmarks/bench_level_switches.py (paired rounds of decode-shaped
-# forwards, results/cpu_levels.md): Inductor's C++ wrapper (the compiled code's host side in C++, so the
-# ~100 op calls of a step leave the Python interpreter) runs decode x1.07 / x1.06 faster at
-# batch 1 / 16 on the demo model at O2 and x1.03 / x1.00 on the memory-bound Qwen2.5-0.5B
-# shape, with no longer a cold start there (the pieces of identical layers share one build);
-# over O3's whole graph x1.15 / x1.07 (demo), x1.00 / x1.01 (0.5B shape, whose whole-graph
-# build it lengthens 19 -> 40 s). Warm starts load the built wrappers without Inductor.
+# forwards, results/cpu_levels.md): Inductor's C++ wrapper (the compiled code's host side in
+# C++, so the ~100 op calls of a step leave the Python interpreter) runs decode x1.07 / x1.06
+# faster at batch 1 / 16 on the demo model at O2 and x1.03 / x1.00 on the memory-bound
+# Qwen2.5-0.5B shape, with no longer a cold start there (the pieces of identical layers share
+# one build); over O3's whole graph x1.15 / x1.07 (demo), x1.00 / x1.01 (0.5B shape, whose
+# whole-graph build it lengthens 19 -> 40 s). Warm starts load the built wrappers without
+# Inductor.
 CPP_WRAPPER_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
                           "platform is the CPU (C++ host code: decode x1.07 / x1.06 at batch 1 / "
                           "16 on the demo model, x1.03 / x1.00 on the 0.5B shape, no longer "
