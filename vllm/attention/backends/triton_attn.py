@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,10 +84,10 @@ class TritonAttentionMetadataBuilder(TorchSDPAMetadataBuilder):
         md = super().build(query_lens, seq_lens, block_tables, slot_mapping,
                            num_padded_tokens=num_padded_tokens, device=device)
         fields = {f.name: getattr(md, f.name) for f in dataclasses.fields(md) if f.init}
-        rows = md.slot_mapping.shape[0]
-        width = max([len(row) for row in block_tables] + [1])
         if not query_lens or any(q != 1 for q in query_lens):
             return TritonAttentionMetadata(**fields)
+        rows = md.slot_mapping.shape[0]
+        width = max(len(row) for row in block_tables)
         num_reqs = len(query_lens)
         host_lens = np.zeros(rows, dtype=np.int32)
         host_lens[:num_reqs] = seq_lens
@@ -156,7 +155,11 @@ class TritonAttentionBackend(TorchSDPABackend):
             return "Triton is not installed; use TORCH_SDPA"
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        if current_platform.is_cpu():
+            from vllm.attention.backends.triton_decode_kernel import interpreter_on
+
+            if interpreter_on():
+                return None
             return ("its decode kernel runs on CUDA, or on the CPU only in Triton's interpreter "
                     "(TRITON_INTERPRET=1, for tests); use TORCH_SDPA")
         return None
