@@ -3,10 +3,11 @@ split into linear layers, attention, sampling, other torch ops and Python/host t
 
     python benchmarks/step_breakdown.py --shape llama-50m --dtype bfloat16 --batch 16
 
-Runs our engine at -O0 on a random-weight checkpoint of benchmarks/checkpoints.py (same
-prompts as compare_hf.py; prefix cache reset before each run). The split comes from one
-torch.profiler pass over the decode steps (self CPU time of each op, grouped by name); the
-profiler's own overhead lands in the Python/host share, so read the shares as relative.
+Runs our engine (at -O0 unless --level says otherwise) on a random-weight checkpoint of
+benchmarks/checkpoints.py (same prompts as compare_hf.py; prefix cache reset before each run).
+The split comes from one torch.profiler pass over the decode steps (self CPU time of each op,
+grouped by name); the profiler's own overhead lands in the Python/host share, so read the
+shares as relative.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 CATEGORIES = {
-    "linear": ("aten::mm", "aten::addmm", "small_m_linear", "_linear_pointwise", "aten::bmm"),
+    "linear": ("aten::mm", "aten::addmm", "vllm_cpu_linear", "_linear_pointwise", "aten::bmm"),
     "attention": ("attention", "write_and_attend", "index_select", "index_copy",
                   "scaled_dot_product"),
     "sampling": ("argmax", "topk", "sort", "exponential"),
@@ -35,6 +36,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ckpt-root", default=os.path.join(HERE, "results", "tmp"))
+    parser.add_argument("--level", type=int, default=0, choices=range(4),
+                        help="optimization level of the engine (default 0)")
+    parser.add_argument("--top", type=int, default=0,
+                        help="also list the N ops with the most self CPU time")
     args = parser.parse_args()
 
     import torch
@@ -46,7 +51,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     path = write_checkpoint(args.shape, args.ckpt_root)
-    llm = LLM(model=path, dtype=args.dtype, optimization_level=0, max_model_len=512,
+    llm = LLM(model=path, dtype=args.dtype, optimization_level=args.level, max_model_len=512,
               kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 1))
     engine = llm.llm_engine
     batch_prompts = prompts(args.batch, engine.vllm_config.model_config.get_vocab_size())
@@ -89,12 +94,19 @@ def main() -> None:
                          if any(k in event.key for k in keys)), "other torch ops")
         shares[category] += seconds
     shares["python/host"] = wall - sum(shares.values())
-    print(f"{args.shape} {args.dtype} batch {args.batch}, {args.threads} thread(s): prefill "
+    print(f"{args.shape} {args.dtype} -O{args.level} batch {args.batch}, {args.threads} thread(s): "
+          f"prefill "
           f"{best_prefill * 1000:.0f} ms, decode step {best_step * 1000:.2f} ms (median, best of "
           f"{args.repeats}); profiled decode step {wall / num_steps * 1000:.2f} ms:")
     for category, seconds in shares.items():
         per_step = seconds / num_steps * 1000
         print(f"  {category:16s} {per_step:8.2f} ms  {seconds / wall * 100:5.1f}%")
+    if args.top:
+        print(f"top {args.top} ops by self CPU time per decode step:")
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        for event in events[:args.top]:
+            print(f"  {event.self_cpu_time_total / num_steps / 1000:8.3f} ms  "
+                  f"{event.count / num_steps:6.1f} calls  {event.key}")
 
 
 if __name__ == "__main__":

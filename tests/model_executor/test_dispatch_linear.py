@@ -24,10 +24,11 @@ def test_matches_f_linear_float32(shape, with_bias):
                     reason="the small-M linear kernel could not be built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
-@pytest.mark.parametrize("n,k", [(37, 100), (130, 64), (1000, 33), (70, 1500)])
+@pytest.mark.parametrize("n,k", [(37, 100), (130, 64), (1000, 33), (70, 1500), (5, 7)])
 def test_small_m_kernel(dtype, rows, n, k):
-    """Odd sizes: N not a multiple of the 4-row tile, K not a multiple of 16 lanes, several
-    row groups of x; strided rows of x."""
+    """Odd sizes: K not a multiple of the 16 lanes, an odd number of 16-lane steps (one row of
+    x takes them two at a time), K over several blocks (1500), K shorter than one step (7),
+    several passes of x rows over each weight row (more than 4 rows); strided rows of x."""
     torch.manual_seed(rows)
     w = torch.randn(n, k).to(dtype)
     b = torch.randn(n).to(dtype)
