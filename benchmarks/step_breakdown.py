@@ -29,7 +29,8 @@ CATEGORIES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama-50m")
+    parser.add_argument("--shape", default="llama-50m",
+                        help="a shape of benchmarks/checkpoints.py, or demo (the built-in model)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -50,7 +51,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    path = write_checkpoint(args.shape, args.ckpt_root)
+    # "demo": the built-in demo model
+    path = "demo" if args.shape == "demo" else write_checkpoint(args.shape, args.ckpt_root)
     llm = LLM(model=path, dtype=args.dtype, optimization_level=args.level, max_model_len=512,
               kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 1))
     engine = llm.llm_engine
