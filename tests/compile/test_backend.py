@@ -208,6 +208,21 @@ def test_dynamo_failure_names_the_stage_and_suggests_O0():
     assert info.value.__cause__ is not None  # the original exception is chained
 
 
+def test_unknown_inductor_option_is_refused_before_the_trace():
+    """Inductor would fail only inside the first piece's compile (an AttributeError wrapped as
+    a compile failure suggesting -O0); the key is a config mistake: a ValueError naming it and
+    the closest options, before Dynamo runs."""
+    model = build(make_config(backend="inductor",
+                              inductor_compile_config={"max_autotun": True}))
+    with compilation_counter.expect(num_graphs_seen=0), torch.no_grad():  # no trace ran
+        with pytest.raises(ValueError, match=r"'max_autotun' is not an Inductor option; did "
+                                             r"you mean 'max_autotune'"):
+            model(*inputs(3))
+    from vllm.compilation.compiler_interface import check_inductor_options
+
+    check_inductor_options({"max_autotune": False, "cpp.threads": 2})  # real ones pass
+
+
 class BoomPass(VllmInductorPass):
     def apply(self, graph):
         raise KeyError("no such node")

@@ -84,6 +84,14 @@ def test_bad_values():
         CompilationConfig(compile_sizes="cudagraph_capture_sizes")
     with pytest.raises(ValueError, match="cudagraph_capture_sizes must be a list.*got 4"):
         CompilationConfig(cudagraph_capture_sizes=4)
+    # Were a TypeError from deep inside (iterating an int) before.
+    with pytest.raises(ValueError, match="splitting_ops must be a list of op names.*got 5"):
+        CompilationConfig.from_dict({"splitting_ops": 5})
+    with pytest.raises(ValueError, match=r"splitting_ops must be a list of op names.*got \[1\]"):
+        CompilationConfig(splitting_ops=[1])
+    assert CompilationConfig(splitting_ops=[]).splitting_ops == []  # [] = no splitting
+    with pytest.raises(ValueError, match="inductor_compile_config must map Inductor option"):
+        CompilationConfig.from_dict({"inductor_compile_config": 5})
 
 
 def test_backend_checked_once_the_level_set_the_mode():

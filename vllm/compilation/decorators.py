@@ -241,6 +241,9 @@ class _CompileState:
         backend_before = timer.seconds("inductor compilation")
         self._mark_dynamic(bound)
         if self.compiled is None:
+            from vllm.compilation.compiler_interface import check_inductor_options
+
+            check_inductor_options(self.vllm_config.compilation_config.inductor_compile_config)
             method = types.MethodType(_own_code_copy(self.original_forward), self.model_ref)
             self.compiled = torch.compile(
                 method, backend=self._make_backend(), fullgraph=True, dynamic=False,

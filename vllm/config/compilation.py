@@ -205,6 +205,17 @@ class CompilationConfig:
                 "With mode VLLM_COMPILE the backend must be 'inductor' or 'eager'.")
         check_bool_fields(self, "compilation_config")
         self._validate_custom_ops()
+        if self.splitting_ops is not None and (
+                not isinstance(self.splitting_ops, list)
+                or not all(isinstance(op, str) and op for op in self.splitting_ops)):
+            raise ValueError(
+                "compilation_config.splitting_ops must be a list of op names, e.g. "
+                f'["vllm::unified_attention_with_output"]; got {self.splitting_ops!r}')
+        if not isinstance(self.inductor_compile_config, dict) or not all(
+                isinstance(key, str) for key in self.inductor_compile_config):
+            raise ValueError(
+                "compilation_config.inductor_compile_config must map Inductor option names to "
+                f'values, e.g. {{"max_autotune": true}}; got {self.inductor_compile_config!r}')
         for name in ("cudagraph_capture_sizes", "compile_ranges_endpoints", "compile_sizes"):
             sizes = getattr(self, name)
             if sizes is not None and not isinstance(sizes, (list, tuple)):
