@@ -66,6 +66,16 @@ def test_bad_dtype():
         ModelConfig(hf_config=LlamaConfig(), dtype="int8")
 
 
+def test_bool_fields_refuse_strings():
+    """enforce_eager="no" was taken as truthy (-O0)."""
+    with pytest.raises(ValueError, match="model_config.enforce_eager must be true or false, "
+                                         "got 'no'"):
+        ModelConfig(model="demo", enforce_eager="no")
+    with pytest.raises(ValueError, match="model_config.trust_remote_code must be true or false"):
+        ModelConfig(model="demo", trust_remote_code=1)
+    assert ModelConfig(model="demo", enforce_eager=True).enforce_eager is True
+
+
 def test_quantized_and_moe_detection():
     assert model_configs.fp8().is_quantized and model_configs.fp8().is_fp8
     assert model_configs.fp8("static").has_static_activation_scales

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm.config.utils import hash_fields
+from vllm.config.utils import check_bool_fields, hash_fields
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
@@ -59,6 +59,7 @@ class ModelConfig:
     """The resolved torch.dtype (set by VllmConfig through the platform)."""
 
     def __post_init__(self) -> None:
+        check_bool_fields(self, "model_config")  # enforce_eager="no" would be truthy
         self.dtype = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of "
