@@ -28,7 +28,9 @@ def test_matches_f_linear_float32(shape, with_bias):
 def test_small_m_kernel(dtype, rows, n, k):
     """Odd sizes: K not a multiple of the 16 lanes, an odd number of 16-lane steps (one row of
     x takes them two at a time), K over several blocks (1500), K shorter than one step (7),
-    several passes of x rows over each weight row (more than 4 rows); strided rows of x."""
+    several passes of x rows over each weight row (more than 4 rows); strided rows of x. With
+    K = 1500, 3+ rows of x are too large for one-row streaming: weight rows four side by side,
+    N not a multiple of four."""
     torch.manual_seed(rows)
     w = torch.randn(n, k).to(dtype)
     b = torch.randn(n).to(dtype)

@@ -12,17 +12,21 @@
 // with cold weights), so this kernel does the plain thing: each thread reads its contiguous
 // range of weight rows front to back, one row at a time, as a single stream, prefetching
 // kPrefetchBytes ahead of where it reads (the stream runs on into the next rows), and dots each
-// row with every row of x (x stays in L1/L2). Accumulation is in float32; the result is
-// rounded to x's dtype once (as oneDNN does).
+// row with every row of x. Accumulation is in float32; the result is rounded to x's dtype once
+// (as oneDNN does). K is walked in blocks, so that a block of the weight stays in L1 while
+// every group of four x rows passes over it.
+//
+// That holds while x stays in L1. Three or more rows of x larger than kStreamXBytes (as float)
+// would be read again from L2 for every weight row, so then four weight rows are read side by
+// side (four streams, the next four prefetched) and share each read of x.
 //
 // Measured on the dev machine (Zen 3, 2 threads, cold weights, paired rounds), against the
-// kernel before it, which read four weight rows side by side and prefetched the next four:
-// - one row of x: 1.25-1.3x (float32) and 1.35-1.4x (bfloat16) on [1152, 896], [9728, 896]
-//   and the [151936, 896] LM head, 1.1x on [896, 4864]; prefetching 4-16 KB ahead measured
-//   the same, 1 KB ahead ~10% slower;
-// - four rows of x: 1.2x (float32) and 1.45x (bfloat16) with K = 896, but 0.75x (float32) and
-//   0.93x (bfloat16) on [896, 4864]: rows that long push x out of L1 and every weight row reads
-//   it again from L2, where four weight rows side by side shared each read of x.
+// kernel before, which always read four rows side by side:
+// - one or two rows of x: 1.25-1.3x (float32) and 1.35-1.4x (bfloat16) on [1152, 896],
+//   [9728, 896] and the [151936, 896] LM head, 1.0-1.1x on [896, 4864]; prefetching 4-16 KB
+//   ahead measured the same, 1 KB ahead ~10% slower;
+// - three or four rows: 1.2-1.25x (float32) and 1.4-1.45x (bfloat16) with K = 896; the same
+//   (four side by side) on [896, 4864], where one stream measured 0.75x (float32).
 //
 // Two inner loops:
 // - widening: weight elements are widened to float in registers (float32 and bfloat16), x is
@@ -56,9 +60,11 @@
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int kTileM = 4;                 // x rows per pass over a block of a weight row
+constexpr int kTileN = 4;                 // weight rows side by side when x is large
+constexpr int kTileM = 4;                 // x rows per pass over a block of the weight
 constexpr int64_t kDotMinRows = 3;        // fewer rows keep the widening loop
-constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the read the weight is prefetched
+constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the read one stream prefetches
+constexpr int64_t kStreamXBytes = 16384;  // most x (as float) for one-stream reads, 3+ rows
 
 typedef float vf __attribute__((vector_size(64)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
@@ -85,6 +91,15 @@ inline float hsum(vf v) {
   return s;
 }
 
+// Where to prefetch for weight row i of an NR-row tile at column k: one row (a single stream
+// through the weight) kPrefetchBytes ahead; a tile of rows side by side the same column of
+// the next tile.
+template <int NR, typename T>
+inline const T* prefetch_at(const T* w, int64_t K, int i, int64_t k) {
+  if constexpr (NR == 1) return w + k + kPrefetchBytes / static_cast<int64_t>(sizeof(T));
+  return w + (i + NR) * K + k;
+}
+
 // Widening loop: x is float, the weight float or bfloat16; 16 elements per step.
 template <typename T>
 struct Widen {
@@ -92,34 +107,39 @@ struct Widen {
   static constexpr int64_t kStep = kLanes;
   static constexpr int64_t kBlock = 512;  // K block (measured)
 
-  // acc[j] += w[k0:k1] . x_j[k0:k1] for the MR rows x_j = x + j * x_stride; k1 - k0 is a
-  // multiple of kStep. One row of x gets two accumulators: one chain of dependent adds per
-  // step would leave the loads waiting.
-  template <int MR>
-  static inline void row(const T* w, int64_t k0, int64_t k1, const float* x, int64_t x_stride,
-                         vf* acc) {
-    constexpr int64_t ahead = kPrefetchBytes / sizeof(T);
-    if constexpr (MR == 1) {
-      vf a0 = acc[0], a1{};
+  // acc[i * MR + j] += w_i[k0:k1] . x_j[k0:k1] for the NR weight rows w_i = w + i * K and the
+  // MR rows x_j = x + j * x_stride; k1 - k0 is a multiple of kStep.
+  template <int NR, int MR>
+  static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const float* x,
+                           int64_t x_stride, vf* acc_io) {
+    if constexpr (NR == 1 && MR == 1) {
+      // Two accumulators: one chain of dependent adds would leave the loads waiting.
+      vf a0 = acc_io[0], a1{};
       int64_t k = k0;
       for (; k + 2 * kStep <= k1; k += 2 * kStep) {
-        __builtin_prefetch(w + k + ahead);
-        __builtin_prefetch(w + k + kStep + ahead);
+        __builtin_prefetch(prefetch_at<1>(w, K, 0, k));
+        __builtin_prefetch(prefetch_at<1>(w, K, 0, k + kStep));
         a0 += load(w + k) * load(x + k);
         a1 += load(w + k + kStep) * load(x + k + kStep);
       }
       if (k < k1) a0 += load(w + k) * load(x + k);
-      acc[0] = a0 + a1;
-    } else {
-      vf a[MR];
-      for (int j = 0; j < MR; ++j) a[j] = acc[j];
-      for (int64_t k = k0; k < k1; k += kStep) {
-        __builtin_prefetch(w + k + ahead);
-        const vf wv = load(w + k);
-        for (int j = 0; j < MR; ++j) a[j] += wv * load(x + j * x_stride + k);
-      }
-      for (int j = 0; j < MR; ++j) acc[j] = a[j];
+      acc_io[0] = a0 + a1;
+      return;
     }
+    vf acc[NR][MR];
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc[i][j] = acc_io[i * MR + j];
+    for (int64_t k = k0; k < k1; k += kStep) {
+      vf xv[MR];
+      for (int j = 0; j < MR; ++j) xv[j] = load(x + j * x_stride + k);
+      for (int i = 0; i < NR; ++i) {
+        __builtin_prefetch(prefetch_at<NR>(w, K, i, k));
+        const vf wv = load(w + i * K + k);
+        for (int j = 0; j < MR; ++j) acc[i][j] += wv * xv[j];
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc_io[i * MR + j] = acc[i][j];
   }
 };
 
@@ -133,33 +153,48 @@ struct Bf16Dot {
   static constexpr int64_t kStep = 32;
   static constexpr int64_t kBlock = 1024;  // K block (measured)
 
-  template <int MR>
-  static inline void row(const T* w, int64_t k0, int64_t k1, const T* x, int64_t x_stride,
-                         vf* acc) {
-    constexpr int64_t ahead = kPrefetchBytes / sizeof(T);
-    __m512 a[MR];
-    for (int j = 0; j < MR; ++j) a[j] = (__m512)acc[j];
+  template <int NR, int MR>
+  static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const T* x,
+                           int64_t x_stride, vf* acc_io) {
+    __m512 acc[NR][MR];
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc[i][j] = (__m512)acc_io[i * MR + j];
     for (int64_t k = k0; k < k1; k += kStep) {
-      __builtin_prefetch(w + k + ahead);
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-      for (int j = 0; j < MR; ++j)
-        a[j] = _mm512_dpbf16_ps(a[j], wv, (__m512bh)_mm512_loadu_si512(x + j * x_stride + k));
+      __m512bh xv[MR];
+      for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * x_stride + k);
+      for (int i = 0; i < NR; ++i) {
+        __builtin_prefetch(prefetch_at<NR>(w, K, i, k));
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * K + k);
+        for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+      }
     }
-    for (int j = 0; j < MR; ++j) acc[j] = (vf)a[j];
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) acc_io[i * MR + j] = (vf)acc[i][j];
   }
 };
 #else
 constexpr bool kBf16Dot = false;
 #endif
 
-template <typename Loop, typename T, typename XT>
-inline void dot_row(int mr, const T* w, int64_t k0, int64_t k1, const XT* x, int64_t x_stride,
-                    vf* acc) {
+template <typename Loop, int NR, typename T, typename XT>
+inline void block_rows(int mr, const T* w, int64_t K, int64_t k0, int64_t k1, const XT* x,
+                       int64_t x_stride, vf* acc) {
   switch (mr) {
-    case 1: Loop::template row<1>(w, k0, k1, x, x_stride, acc); break;
-    case 2: Loop::template row<2>(w, k0, k1, x, x_stride, acc); break;
-    case 3: Loop::template row<3>(w, k0, k1, x, x_stride, acc); break;
-    default: Loop::template row<4>(w, k0, k1, x, x_stride, acc); break;
+    case 1: Loop::template block<NR, 1>(w, K, k0, k1, x, x_stride, acc); break;
+    case 2: Loop::template block<NR, 2>(w, K, k0, k1, x, x_stride, acc); break;
+    case 3: Loop::template block<NR, 3>(w, K, k0, k1, x, x_stride, acc); break;
+    default: Loop::template block<NR, 4>(w, K, k0, k1, x, x_stride, acc); break;
+  }
+}
+
+template <typename Loop, typename T, typename XT>
+inline void block_tile(int nr, int mr, const T* w, int64_t K, int64_t k0, int64_t k1,
+                       const XT* x, int64_t x_stride, vf* acc) {
+  switch (nr) {
+    case 1: block_rows<Loop, 1>(mr, w, K, k0, k1, x, x_stride, acc); break;
+    case 2: block_rows<Loop, 2>(mr, w, K, k0, k1, x, x_stride, acc); break;
+    case 3: block_rows<Loop, 3>(mr, w, K, k0, k1, x, x_stride, acc); break;
+    default: block_rows<Loop, 4>(mr, w, K, k0, k1, x, x_stride, acc); break;
   }
 }
 
@@ -168,27 +203,41 @@ template <typename Loop, typename T, typename XT>
 void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64_t N,
          const T* bp, T* op, int64_t o_stride) {
   const int64_t k_vec = K / Loop::kStep * Loop::kStep;
+  const int64_t groups = (M + kTileM - 1) / kTileM;
+  // One weight row at a time (a single stream) while x stays in L1; larger x is read from
+  // L2 once per weight row, so then kTileN rows side by side share each read of it.
+  const int64_t tile_n =
+      M <= 2 || M * K * static_cast<int64_t>(sizeof(float)) <= kStreamXBytes ? 1 : kTileN;
   // grain: at least 64 weight rows per task (small products stay on one thread)
   at::parallel_for(0, N, 64, [&](int64_t n_begin, int64_t n_end) {
-    std::vector<vf> acc(M);
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const T* w = wp + n * K;
+    std::vector<vf> acc(groups * kTileN * kTileM);
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += tile_n) {
+      const int nr = static_cast<int>(std::min<int64_t>(tile_n, n_end - n0));
+      const T* w = wp + n0 * K;
       std::fill(acc.begin(), acc.end(), vf{});
-      // K in blocks: a block of the row (streamed in by the first group of x rows) and the
-      // x rows' block stay in L1 while the other groups pass over it
+      // K in blocks: the tile's block (streamed in by the first group of x rows) and the x
+      // rows' block stay in L1 while the other groups pass over it
       for (int64_t k0 = 0; k0 < k_vec; k0 += Loop::kBlock) {
         const int64_t k1 = std::min(k_vec, k0 + Loop::kBlock);
-        for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
-          const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - m0));
-          dot_row<Loop>(mr, w, k0, k1, x + m0 * x_stride, x_stride, acc.data() + m0);
+        for (int64_t g = 0; g < groups; ++g) {
+          const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - g * kTileM));
+          block_tile<Loop>(nr, mr, w, K, k0, k1, x + g * kTileM * x_stride, x_stride,
+                           acc.data() + g * kTileN * kTileM);
         }
       }
-      const float b = bp ? scalar(bp[n]) : 0.0f;
-      for (int64_t m = 0; m < M; ++m) {
-        const XT* x_row = x + m * x_stride;
-        float s = hsum(acc[m]);
-        for (int64_t k = k_vec; k < K; ++k) s += scalar(w[k]) * scalar(x_row[k]);
-        op[m * o_stride + n] = T(s + b);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - g * kTileM));
+        const vf* a = acc.data() + g * kTileN * kTileM;
+        for (int i = 0; i < nr; ++i) {
+          const T* w_row = w + i * K;
+          const float b = bp ? scalar(bp[n0 + i]) : 0.0f;
+          for (int j = 0; j < mr; ++j) {
+            const XT* x_row = x + (g * kTileM + j) * x_stride;
+            float s = hsum(a[i * mr + j]);
+            for (int64_t k = k_vec; k < K; ++k) s += scalar(w_row[k]) * scalar(x_row[k]);
+            op[(g * kTileM + j) * o_stride + n0 + i] = T(s + b);
+          }
+        }
       }
     }
   });
