@@ -16,17 +16,20 @@
 // (as oneDNN does). K is walked in blocks, so that a block of the weight stays in L1 while
 // every group of four x rows passes over it.
 //
-// That holds while x stays in L1. Three or more rows of x larger than kStreamXBytes (as float)
-// would be read again from L2 for every weight row, so then four weight rows are read side by
-// side (four streams, the next four prefetched) and share each read of x.
+// That holds while x stays in L1. Three or more rows of x that do not fit there next to the
+// weight rows being read (kStreamL1Bytes) would be read again from L2 for every weight row, so
+// then four weight rows are read side by side (four streams, the next four prefetched) and
+// share each read of x.
 //
-// Measured on the dev machine (Zen 3, 2 threads, cold weights, paired rounds), against the
-// kernel before, which always read four rows side by side:
-// - one or two rows of x: 1.25-1.3x (float32) and 1.35-1.4x (bfloat16) on [1152, 896],
-//   [9728, 896] and the [151936, 896] LM head, 1.0-1.1x on [896, 4864]; prefetching 4-16 KB
-//   ahead measured the same, 1 KB ahead ~10% slower;
-// - three or four rows: 1.2-1.25x (float32) and 1.4-1.45x (bfloat16) with K = 896; the same
-//   (four side by side) on [896, 4864], where one stream measured 0.75x (float32).
+// Measured on the dev machine (Zen 3, 2 threads, float32 unless said, paired rounds), against
+// the kernel before, which always read four rows side by side:
+// - cold weights (the Qwen2.5-0.5B shape's), one row of x: 1.3x on [1152, 896], [9728, 896]
+//   and the [151936, 896] LM head, 1.1x on [896, 4864]; all the model's linears 1.25x (two
+//   rows 1.2x, four 1.0x; bfloat16 three or four rows 1.45x); prefetching 4-16 KB ahead
+//   measured the same, 1 KB ahead ~10% slower;
+// - weights in L3 (the demo model's [*, 256] products): 1.3-1.5x for one row, 1.05-1.5x for
+//   four, once the row loop calls the kernel inlined (a call through the size switches for
+//   every row made one stream 0.7x there).
 //
 // Two inner loops:
 // - widening: weight elements are widened to float in registers (float32 and bfloat16), x is
@@ -64,7 +67,7 @@ constexpr int kTileN = 4;                 // weight rows side by side when x is 
 constexpr int kTileM = 4;                 // x rows per pass over a block of the weight
 constexpr int64_t kDotMinRows = 3;        // fewer rows keep the widening loop
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the read one stream prefetches
-constexpr int64_t kStreamXBytes = 16384;  // most x (as float) for one-stream reads, 3+ rows
+constexpr int64_t kStreamL1Bytes = 20480;  // x (as float) + 2 weight rows, for one stream
 
 typedef float vf __attribute__((vector_size(64)));
 typedef uint32_t vu32 __attribute__((vector_size(64)));
@@ -85,10 +88,15 @@ inline vf load(const c10::BFloat16* p) {
 }
 inline float scalar(float v) { return v; }
 inline float scalar(c10::BFloat16 v) { return static_cast<float>(v); }
+// Lanes summed pairwise (a tree of 4 vector adds, not a chain of 15 dependent scalar adds:
+// without -ffast-math the compiler keeps a written loop's order).
 inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  typedef float vf8 __attribute__((vector_size(32)));
+  typedef float vf4 __attribute__((vector_size(16)));
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // Where to prefetch for weight row i of an NR-row tile at column k: one row (a single stream
@@ -113,17 +121,19 @@ struct Widen {
   static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const float* x,
                            int64_t x_stride, vf* acc_io) {
     if constexpr (NR == 1 && MR == 1) {
-      // Two accumulators: one chain of dependent adds would leave the loads waiting.
-      vf a0 = acc_io[0], a1{};
+      // Four accumulators (8 FMA chains): with one, a row of cached weights would wait on the
+      // adds' latency, not on the reads.
+      constexpr int kU = 4;
+      vf a[kU] = {acc_io[0]};
       int64_t k = k0;
-      for (; k + 2 * kStep <= k1; k += 2 * kStep) {
-        __builtin_prefetch(prefetch_at<1>(w, K, 0, k));
-        __builtin_prefetch(prefetch_at<1>(w, K, 0, k + kStep));
-        a0 += load(w + k) * load(x + k);
-        a1 += load(w + k + kStep) * load(x + k + kStep);
+      for (; k + kU * kStep <= k1; k += kU * kStep) {
+        for (int u = 0; u < kU; ++u) {
+          __builtin_prefetch(prefetch_at<1>(w, K, 0, k + u * kStep));
+          a[u] += load(w + k + u * kStep) * load(x + k + u * kStep);
+        }
       }
-      if (k < k1) a0 += load(w + k) * load(x + k);
-      acc_io[0] = a0 + a1;
+      for (int u = 0; k < k1; k += kStep, ++u) a[u] += load(w + k) * load(x + k);
+      acc_io[0] = (a[0] + a[1]) + (a[2] + a[3]);
       return;
     }
     vf acc[NR][MR];
@@ -198,19 +208,60 @@ inline void block_tile(int nr, int mr, const T* w, int64_t K, int64_t k0, int64_
   }
 }
 
+// Weight row w_row's dot with x row x_row, finished: the accumulator's lanes, the K tail, the
+// bias.
+template <typename T, typename XT>
+inline T finish(vf a, const T* w_row, const XT* x_row, int64_t k_vec, int64_t K, float b) {
+  float s = hsum(a);
+  for (int64_t k = k_vec; k < K; ++k) s += scalar(w_row[k]) * scalar(x_row[k]);
+  return T(s + b);
+}
+
+// MR (<= kTileM) rows of x against weight rows [n_begin, n_end), one row at a time: the loop
+// the one-stream products run, with the kernel inlined (choosing it per row cost ~5 ns a row,
+// a third of a cached 256-wide row).
+template <typename Loop, int MR, typename T, typename XT>
+void stream_rows(const XT* x, int64_t x_stride, int64_t K, int64_t k_vec, const T* wp,
+                 int64_t n_begin, int64_t n_end, const T* bp, T* op, int64_t o_stride) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const T* w = wp + n * K;
+    vf acc[MR] = {};
+    Loop::template block<1, MR>(w, K, 0, k_vec, x, x_stride, acc);
+    const float b = bp ? scalar(bp[n]) : 0.0f;
+    for (int j = 0; j < MR; ++j)
+      op[j * o_stride + n] = finish(acc[j], w, x + j * x_stride, k_vec, K, b);
+  }
+}
+
 // x: M rows of XT with stride x_stride (float rows for the widening loop).
 template <typename Loop, typename T, typename XT>
 void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64_t N,
          const T* bp, T* op, int64_t o_stride) {
   const int64_t k_vec = K / Loop::kStep * Loop::kStep;
   const int64_t groups = (M + kTileM - 1) / kTileM;
-  // One weight row at a time (a single stream) while x stays in L1; larger x is read from
-  // L2 once per weight row, so then kTileN rows side by side share each read of it.
-  const int64_t tile_n =
-      M <= 2 || M * K * static_cast<int64_t>(sizeof(float)) <= kStreamXBytes ? 1 : kTileN;
+  // One weight row at a time (a single stream) while x stays in L1 next to the rows being
+  // read; larger x is read from L2 once per weight row, so then kTileN rows side by side
+  // share each read of it (measured: float32 [*, 896] products of 4 rows 0.8x as one stream,
+  // bfloat16 ones 1.35x).
+  const int64_t l1_bytes = (M * static_cast<int64_t>(sizeof(float)) + 2 * sizeof(T)) * K;
+  const int64_t tile_n = M <= 2 || l1_bytes <= kStreamL1Bytes ? 1 : kTileN;
+  const int64_t acc_stride = tile_n * kTileM;  // accumulators per group of x rows
   // grain: at least 64 weight rows per task (small products stay on one thread)
   at::parallel_for(0, N, 64, [&](int64_t n_begin, int64_t n_end) {
-    std::vector<vf> acc(groups * kTileN * kTileM);
+    if (tile_n == 1 && groups == 1) {
+      switch (M) {
+        case 1: stream_rows<Loop, 1>(x, x_stride, K, k_vec, wp, n_begin, n_end, bp, op,
+                                     o_stride); break;
+        case 2: stream_rows<Loop, 2>(x, x_stride, K, k_vec, wp, n_begin, n_end, bp, op,
+                                     o_stride); break;
+        case 3: stream_rows<Loop, 3>(x, x_stride, K, k_vec, wp, n_begin, n_end, bp, op,
+                                     o_stride); break;
+        default: stream_rows<Loop, 4>(x, x_stride, K, k_vec, wp, n_begin, n_end, bp, op,
+                                      o_stride); break;
+      }
+      return;
+    }
+    std::vector<vf> acc(groups * acc_stride);
     for (int64_t n0 = n_begin; n0 < n_end; n0 += tile_n) {
       const int nr = static_cast<int>(std::min<int64_t>(tile_n, n_end - n0));
       const T* w = wp + n0 * K;
@@ -222,21 +273,17 @@ void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64
         for (int64_t g = 0; g < groups; ++g) {
           const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - g * kTileM));
           block_tile<Loop>(nr, mr, w, K, k0, k1, x + g * kTileM * x_stride, x_stride,
-                           acc.data() + g * kTileN * kTileM);
+                           acc.data() + g * acc_stride);
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
         const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - g * kTileM));
-        const vf* a = acc.data() + g * kTileN * kTileM;
+        const vf* a = acc.data() + g * acc_stride;
         for (int i = 0; i < nr; ++i) {
-          const T* w_row = w + i * K;
           const float b = bp ? scalar(bp[n0 + i]) : 0.0f;
-          for (int j = 0; j < mr; ++j) {
-            const XT* x_row = x + (g * kTileM + j) * x_stride;
-            float s = hsum(a[i * mr + j]);
-            for (int64_t k = k_vec; k < K; ++k) s += scalar(w_row[k]) * scalar(x_row[k]);
-            op[(g * kTileM + j) * o_stride + n0 + i] = T(s + b);
-          }
+          for (int j = 0; j < mr; ++j)
+            op[(g * kTileM + j) * o_stride + n0 + i] =
+                finish(a[i * mr + j], w + i * K, x + (g * kTileM + j) * x_stride, k_vec, K, b);
         }
       }
     }
