@@ -103,6 +103,49 @@ def test_a_failing_decode_kernel_is_named_with_the_way_around_it(monkeypatch):
                                                                       key[1])
 
 
+def test_a_kv_cache_of_another_dtype_still_takes_the_graph_safe_decode_path(monkeypatch):
+    """float32 activations over a bfloat16 KV cache: the decode batch is written converted and
+    attended by the kernel. (It used to fall back to TORCH_SDPA's path, which sizes its work
+    from host values: a full CUDA graph would have recorded the capture's sizes.)"""
+    import types
+
+    from vllm.attention.backends import torch_sdpa
+    from vllm.attention.backends.triton_attn import TritonAttentionImpl
+
+    calls = []
+    fake = types.ModuleType("triton_decode_kernel")
+    fake.paged_decode = lambda q, kv, table, lens, scale, out, window=None: calls.append(
+        (kv.dtype, lens.tolist()))
+    monkeypatch.setitem(sys.modules, "vllm.attention.backends.triton_decode_kernel", fake)
+    monkeypatch.setattr(torch_sdpa.TorchSDPAImpl, "forward", lambda *a, **k: pytest.fail(
+        "a decode batch took TORCH_SDPA's path"))
+    impl = TritonAttentionImpl(2, 8, 0.3, num_kv_heads=1)
+    md = TritonAttentionMetadataBuilder(max_rows=4, max_blocks=2).build(
+        [1, 1], [3, 1], [[1], [2]], [18, 32])
+    kv_cache = torch.zeros(2, 3, 16, 1, 8, dtype=torch.bfloat16)
+    query, key, value = torch.randn(2, 16), torch.randn(2, 8), torch.randn(2, 8)
+    impl.forward(None, query, key, value, kv_cache, md, torch.empty_like(query))
+    assert calls == [(torch.bfloat16, [3, 1])]
+    assert torch.equal(kv_cache[0, 1, 2, 0], key[0].bfloat16())
+    assert torch.equal(kv_cache[1, 2, 0, 0], value[1].bfloat16())
+
+
+def test_buffers_are_kept_for_a_device_named_without_its_index(monkeypatch):
+    """"cuda" and "cuda:0" are unequal torch.device objects: the persistent buffers (the
+    addresses graphs record) must not be reallocated because of the spelling."""
+    from vllm.attention.backends.triton_attn import _same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _same_device(torch.device("cuda", 0), "cuda")
+    assert not _same_device(torch.device("cuda", 1), "cuda")
+    assert _same_device(torch.device("cuda", 1), "cuda:1")
+    assert _same_device(torch.device("cpu"), "cpu") and not _same_device(torch.device("cpu"),
+                                                                            "cuda")
+    builder = TritonAttentionMetadataBuilder(max_rows=4, max_blocks=2, device="cpu")
+    first = builder._persistent("cpu")[0].data_ptr()
+    assert builder._persistent(torch.device("cpu"))[0].data_ptr() == first
+
+
 def run_with_interpreter(code: str, backend: str | None = None) -> str:
     """`code`'s stdout, run in a new process with Triton's interpreter on (and
     VLLM_ATTENTION_BACKEND=`backend`)."""

@@ -71,7 +71,7 @@ class TritonAttentionMetadataBuilder(TorchSDPAMetadataBuilder):
 
     def _persistent(self, device: torch.device | str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._buffers is None or self._buffers[0].device != torch.device(device):
+        if self._buffers is None or not _same_device(self._buffers[0].device, device):
             self._buffers = (
                 torch.zeros(self.max_rows, dtype=torch.int64, device=device),  # slots
                 torch.zeros(self.max_rows, dtype=torch.int32, device=device),  # seq lens
@@ -107,12 +107,23 @@ class TritonAttentionMetadataBuilder(TorchSDPAMetadataBuilder):
                                        decode_block_table=table_buf[:rows])
 
 
+def _same_device(have: torch.device, want: torch.device | str) -> bool:
+    """`want` without an index ("cuda") means the current device of its type: unequal to
+    "cuda:0" as torch.device objects, which would reallocate the buffers every step."""
+    want = torch.device(want)
+    if have.type != want.type:
+        return False
+    if want.index is None and want.type == "cuda":
+        return have.index == torch.cuda.current_device()
+    return want.index is None or have.index == want.index
+
+
 class TritonAttentionImpl(TorchSDPAImpl):
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata,
                 output: torch.Tensor, output_scale: torch.Tensor | None = None) -> torch.Tensor:
         md = attn_metadata
-        if getattr(md, "decode_seq_lens", None) is None or kv_cache.dtype != query.dtype:
+        if getattr(md, "decode_seq_lens", None) is None:
             return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale=output_scale)
         if not kv_cache.is_contiguous():
@@ -122,8 +133,11 @@ class TritonAttentionImpl(TorchSDPAImpl):
         heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
         flat = kv_cache.view(2, -1, kv_heads, head_size)
         slots = md.slot_mapping[:rows]
-        flat[0].index_copy_(0, slots, key.view(rows, kv_heads, head_size))
-        flat[1].index_copy_(0, slots, value.view(rows, kv_heads, head_size))
+        # A KV cache of another dtype than the activations is written converted (the kernel
+        # reads every operand as float32): TORCH_SDPA's path would take its sizes from the
+        # host, which a full CUDA graph records once.
+        flat[0].index_copy_(0, slots, key.view(rows, kv_heads, head_size).to(kv_cache.dtype))
+        flat[1].index_copy_(0, slots, value.view(rows, kv_heads, head_size).to(kv_cache.dtype))
         result = output if output_scale is None else torch.empty_like(query)
         try:
             from vllm.attention.backends.triton_decode_kernel import paged_decode
