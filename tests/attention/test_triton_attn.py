@@ -150,7 +150,8 @@ def run_with_interpreter(code: str, backend: str | None = None) -> str:
     """`code`'s stdout, run in a new process with Triton's interpreter on (and
     VLLM_ATTENTION_BACKEND=`backend`)."""
     # On the CPU platform even where a GPU is visible: the interpreter runs on host tensors.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO, "VLLM_PLATFORM": "cpu",
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "VLLM_PLATFORM": "cpu",
            "CUDA_VISIBLE_DEVICES": ""}
     env.pop("VLLM_ATTENTION_BACKEND", None)
     if backend is not None:

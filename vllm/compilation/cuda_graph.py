@@ -109,10 +109,32 @@ def override_graph_factory(factory: Callable[[], GraphLike]) -> Iterator[None]:
         _factory_override = previous
 
 
+def non_owning(value: Any) -> Any:
+    """`value` with every tensor replaced by an alias of its memory that does not keep the
+    memory alive (lists and tuples are walked).
+
+    An entry keeps its graph's outputs this way. A graph writes its outputs at the addresses
+    of the capture, in the pool all graphs share; held as tensors, every (piece, size)'s
+    outputs would stay allocated for good (~4 x hidden values per token per piece, summed over
+    the capture sizes: gigabytes for a large model), where freed they are reused by the
+    captures that follow, as the intermediate values of one forward are. A replay's outputs
+    are consumed before the next replay, so they never meet another graph's."""
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), value.device,
+                                                              storage.nbytes())
+        return torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            alias, value.storage_offset(), value.size(), value.stride())
+    if isinstance(value, (list, tuple)):
+        return type(value)(non_owning(v) for v in value)
+    return value
+
+
 @dataclasses.dataclass
 class _Entry:
     graph: GraphLike
     output: Any
+    """The capture's outputs as `non_owning` aliases: what each replay rewrites."""
     input_addresses: list[int]
     replays: int = 0
 
@@ -160,7 +182,7 @@ class CUDAGraphWrapper:
             start = time.perf_counter()
             graph = self.graph_factory()
             output = graph.capture(lambda: self.runnable(*args, **kwargs))
-            self.entries[key] = _Entry(graph, output, addresses)
+            self.entries[key] = _Entry(graph, non_owning(output), addresses)
             compilation_counter.num_cudagraph_captured += 1
             get_startup_timer().record("cudagraph capture", time.perf_counter() - start,
                                        mode=self.runtime_mode.name)
