@@ -61,6 +61,27 @@ def test_auto_dtype_on_cpu(llama_dir, platform, monkeypatch):
     assert native.model_config.torch_dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("platform", ["cuda"], indirect=True)
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_dtype_on_cuda_runs_float32_checkpoints_in_16_bits(tmp_path, platform, bf16,
+                                                                 monkeypatch):
+    """As vLLM does: a float32 checkpoint runs in bfloat16 (float16 without it) unless --dtype
+    says otherwise; 16-bit checkpoints as stored."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+           "architectures": ["LlamaForCausalLM"]}
+    LlamaConfig(**cfg, torch_dtype="float32").save_pretrained(tmp_path / "fp32")
+    LlamaConfig(**cfg, torch_dtype="float16").save_pretrained(tmp_path / "fp16")
+    auto = VllmConfig(model_config=ModelConfig(model=str(tmp_path / "fp32")))
+    assert auto.model_config.torch_dtype == (torch.bfloat16 if bf16 else torch.float16)
+    assert "--dtype float32" in auto.provenance["model_config.dtype"].reason
+    kept = VllmConfig(model_config=ModelConfig(model=str(tmp_path / "fp32"), dtype="float32"))
+    assert kept.model_config.torch_dtype == torch.float32
+    stored = VllmConfig(model_config=ModelConfig(model=str(tmp_path / "fp16")))
+    assert stored.model_config.torch_dtype == torch.float16
+
+
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype 'int8' is not supported.*float32"):
         ModelConfig(hf_config=LlamaConfig(), dtype="int8")
