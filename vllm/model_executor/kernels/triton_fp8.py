@@ -37,7 +37,7 @@ def _kernels() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def _quantize_row(y, q_row, s_row, scale_ptr, n, STATIC: tl.constexpr,
+    def _quantize_row(y, q_row, s_row, scale_ptr, n, n_groups, STATIC: tl.constexpr,
                       BLOCK: tl.constexpr, GROUP: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         if STATIC:
@@ -51,8 +51,10 @@ def _kernels() -> Any:
             q = tl.clamp(yg / s[:, None], -448.0, 448.0)
             q = tl.reshape(q, (BLOCK,))
             tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < n)
+            # The row's groups: groups past n are padding (a row of n < BLOCK per token is one
+            # group of BLOCK, where n // GROUP would be 0).
             g = tl.arange(0, BLOCK // GROUP)
-            tl.store(s_row + g, s, mask=g < n // GROUP)
+            tl.store(s_row + g, s, mask=g < n_groups)
 
     @triton.jit
     def quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, n, n_groups, STATIC: tl.constexpr,
@@ -60,8 +62,8 @@ def _kernels() -> Any:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         y = tl.load(x_ptr + row * n + offs, mask=offs < n, other=0.0).to(tl.float32)
-        _quantize_row(y, q_ptr + row * n, s_ptr + row * n_groups, scale_ptr, n, STATIC, BLOCK,
-                      GROUP)
+        _quantize_row(y, q_ptr + row * n, s_ptr + row * n_groups, scale_ptr, n, n_groups, STATIC,
+                      BLOCK, GROUP)
 
     @triton.jit
     def rms_quant_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, q_ptr, s_ptr, scale_ptr, eps, n,
@@ -80,8 +82,8 @@ def _kernels() -> Any:
         y = (v * inv).to(dtype)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         y = (y.to(tl.float32) * w.to(tl.float32)).to(dtype).to(tl.float32)
-        _quantize_row(y, q_ptr + row * n, s_ptr + row * n_groups, scale_ptr, n, STATIC, BLOCK,
-                      GROUP)
+        _quantize_row(y, q_ptr + row * n, s_ptr + row * n_groups, scale_ptr, n, n_groups, STATIC,
+                      BLOCK, GROUP)
 
     @triton.jit
     def silu_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, n_groups, STATIC: tl.constexpr,
@@ -95,8 +97,8 @@ def _kernels() -> Any:
         g = gate.to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dtype)
         y = (s.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
-        _quantize_row(y, q_ptr + row * d, s_ptr + row * n_groups, scale_ptr, d, STATIC, BLOCK,
-                      GROUP)
+        _quantize_row(y, q_ptr + row * d, s_ptr + row * n_groups, scale_ptr, d, n_groups, STATIC,
+                      BLOCK, GROUP)
 
     class Kernels:
         pass
