@@ -124,3 +124,24 @@ def test_bfloat16_model_runs(tmp_path):
     fp32, _ = our_logits(ckpt.path)
     assert torch.isfinite(logits).all()
     assert (logits.argmax(-1) == fp32.argmax(-1)).float().mean() >= 0.7
+
+
+def test_scaled_mm_only_for_the_layouts_it_takes():
+    """torch._scaled_mm (CUDA, FP8 tensor cores) takes per-tensor or per-row scales, K and N
+    multiples of 16 and (with a bias or row-wise scales) a bfloat16 output; the rest
+    dequantizes. Per-group activation scales ([M, K / g]) once reached it and failed to
+    broadcast; float32 models with a bias failed in cuBLAS."""
+    from vllm.model_executor.layers.quantization.fp8_linear import Fp8LinearMethod
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import GroupShape
+
+    per_token = Fp8LinearMethod("channel", act_static=False)
+    assert per_token.scaled_mm_fits(256, 512, torch.bfloat16)
+    assert not per_token.scaled_mm_fits(256, 512, torch.float32)
+    assert not per_token.scaled_mm_fits(256, 512, torch.float16)
+    assert not per_token.scaled_mm_fits(250, 512, torch.bfloat16)
+    assert not per_token.scaled_mm_fits(256, 500, torch.bfloat16)
+    assert Fp8LinearMethod("tensor", act_static=True).scaled_mm_fits(256, 512, torch.bfloat16)
+    grouped = Fp8LinearMethod("channel", act_static=False, act_group_shape=GroupShape(1, 128))
+    assert not grouped.scaled_mm_fits(256, 512, torch.bfloat16)
+    assert not Fp8LinearMethod("block", act_static=False, block_size=(128, 128)).scaled_mm_fits(
+        256, 512, torch.bfloat16)

@@ -185,7 +185,7 @@ class Fp8LinearMethod(LinearMethodBase):
             # One activation feeds every shard: use the largest scale (no clipping).
             layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1),
                                              requires_grad=False)
-        if self.weight_strategy != "block" and scaled_mm_supported(weight.device):
+        if self.scaled_mm_fits(n, k, dtype) and scaled_mm_supported(weight.device):
             self.gemm = "scaled_mm"
             row_scale = self._row_scales(layer, scale, n)
             if bool((row_scale == row_scale[0]).all()):
@@ -211,6 +211,14 @@ class Fp8LinearMethod(LinearMethodBase):
             # Fold the static activation scale into the weight: y = q @ (w * s_x)^T.
             w32 = w32 * layer.input_scale.data
         layer.weight = nn.Parameter(w32.to(dtype), requires_grad=False)
+
+    def scaled_mm_fits(self, n: int, k: int, out_dtype: torch.dtype) -> bool:
+        """What torch._scaled_mm takes on CUDA: a scale per tensor or per row of either operand
+        (not per block of the weight or per group of the activation), K and N multiples of 16,
+        and a bfloat16 output (float32 refuses a bias; float16 refuses row-wise scales).
+        Other layers dequantize the weight once and run a plain GEMM."""
+        return (self.weight_strategy != "block" and not self.act_group_shape.is_per_group
+                and n % 16 == 0 and k % 16 == 0 and out_dtype == torch.bfloat16)
 
     def _row_scales(self, layer: nn.Module, scale: torch.Tensor, n: int) -> torch.Tensor:
         if self.weight_strategy == "channel":
