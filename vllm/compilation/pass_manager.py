@@ -41,6 +41,12 @@ PASS_REGISTRY: list[tuple[str, str]] = [
 FUSION_FLAGS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms")
 
 
+def has_pass(flag: str) -> bool:
+    """Whether a pass is registered for PassConfig `flag` (fuse_allreduce_rms has none yet:
+    the flag is accepted, as upstream's, and fuses nothing)."""
+    return any(registered == flag for registered, _ in PASS_REGISTRY)
+
+
 def _build(path: str, vllm_config: VllmConfig | None) -> VllmInductorPass:
     module_name, cls_name = path.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
@@ -64,9 +70,13 @@ class PostGradPassManager:
         pass_config = vllm_config.compilation_config.pass_config
         self.pass_config_hash = pass_config.compute_hash()
         self.fp8_model = bool(getattr(vllm_config.model_config, "is_fp8", False))
-        fusions = [flag[len("fuse_"):] for flag in FUSION_FLAGS if getattr(pass_config, flag,
-                                                                            False)]
+        wanted = [flag for flag in FUSION_FLAGS if getattr(pass_config, flag, False)]
+        fusions = [flag[len("fuse_"):] for flag in wanted if has_pass(flag)]
         logger.info("Enabled fusions: %s", ", ".join(fusions) or "none")
+        for flag in wanted:
+            if not has_pass(flag):
+                logger.warning("pass_config.%s is on, but this engine has no pass for it yet: "
+                               "nothing is fused", flag)
         for flag, path in PASS_REGISTRY:
             if getattr(pass_config, flag, False):
                 self.add(_build(path, vllm_config))

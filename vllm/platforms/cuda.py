@@ -80,7 +80,12 @@ class CudaPlatform(Platform):
 
     def supports_allreduce_rms_fusion(self, vllm_config: VllmConfig) -> bool:
         # The fused kernel (FlashInfer / TRT-LLM all-reduce) exists for Hopper and datacenter
-        # Blackwell; a simulated platform without a GPU reports it unsupported.
+        # Blackwell; a simulated platform without a GPU reports it unsupported. Nor is there
+        # a pass that would call it yet: the level must not claim the fusion.
+        from vllm.compilation.pass_manager import has_pass
+
+        if not has_pass("fuse_allreduce_rms"):
+            return False
         capability = self.get_device_capability()
         if capability is None:
             return False

@@ -98,3 +98,23 @@ def test_no_warning_for_unquantized_models(caplog):
 def test_fusion_without_model_registers_every_scheme(flag):
     m = manager(config(None, **{flag: True}))
     assert m.passes[0].schemes == [mu.STATIC, mu.PER_TOKEN, mu.QuantScheme(False, 128)]
+
+
+@pytest.mark.parametrize("platform", ["cuda"], indirect=True)  # the CPU refuses the flag
+def test_a_fusion_without_a_pass_is_not_claimed(caplog, monkeypatch, platform):
+    """fuse_allreduce_rms (upstream's flag) has no pass here yet: an explicit True is not listed
+    as enabled but warned about, and no level turns it on, even on a CUDA platform that would
+    have the FlashInfer kernel (TP > 1, Hopper)."""
+    from vllm.platforms.cuda import CudaPlatform
+
+    caplog.set_level(logging.INFO, logger="vllm")
+    assert not pm.has_pass("fuse_allreduce_rms") and pm.has_pass("fuse_norm_quant")
+    m = manager(config(model_configs.fp8("static"), fuse_norm_quant=True,
+                       fuse_allreduce_rms=True))
+    assert "Enabled fusions: norm_quant\n" in caplog.text + "\n"
+    assert "pass_config.fuse_allreduce_rms is on, but this engine has no pass" in caplog.text
+    assert [p.name for p in m.passes] == ["RMSNormQuantFusionPass"]
+    platform = CudaPlatform()
+    monkeypatch.setattr(platform, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    assert platform.supports_allreduce_rms_fusion(None) is False
