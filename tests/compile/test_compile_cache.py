@@ -49,6 +49,26 @@ def test_key_covers_what_changes_the_graph_and_nothing_memory_sized(tmp_path):
     assert key_of(config(), [source]) != base
 
 
+@pytest.mark.parametrize("platform", ["cuda"], indirect=True)
+def test_key_covers_the_gpu(monkeypatch, platform):
+    """Triton kernels are built for one GPU architecture and FP8 layers pick their GEMM by
+    capability: two GPUs sharing a cache directory get different keys."""
+    import torch
+
+    cfg = config()
+    assert compute_cache_factors(cfg, [], "p")["accelerator"] == "none"  # no GPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    keys = set()
+    for name, capability in [("NVIDIA A100", (8, 0)), ("NVIDIA H100", (9, 0))]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        factors = compute_cache_factors(cfg, [], "p")
+        assert factors["accelerator"] == f"cuda12.8-{name}-sm{capability[0]}{capability[1]}"
+        keys.add(compute_cache_key(factors))
+    assert len(keys) == 2
+
+
 def test_directory_layout_and_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
     cache = CompileCache.for_model(config(), [], "p", rank=1)

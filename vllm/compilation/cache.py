@@ -109,7 +109,20 @@ def compute_cache_factors(vllm_config: VllmConfig, model_source_files: list[str]
         "compiler_source": _files_hash(compiler_source_files()),
         "passes": pass_manager_uuid,
         "machine": f"{platform.machine()}-{_cpu_flags()}",
+        "accelerator": _accelerator(vllm_config),
     }
+
+
+def _accelerator(vllm_config: VllmConfig) -> str:
+    """The GPU the code is built for (Triton kernels target its architecture, and FP8 layers
+    choose their GEMM by its capability): a cache shared by an A100 and an H100 must not hand
+    one the other's artifacts. "none" off CUDA."""
+    import torch
+
+    if not vllm_config.platform.is_cuda() or not torch.cuda.is_available():
+        return "none"
+    major, minor = torch.cuda.get_device_capability()
+    return f"cuda{torch.version.cuda}-{torch.cuda.get_device_name()}-sm{major}{minor}"
 
 
 def compute_cache_key(factors: dict[str, str]) -> str:
