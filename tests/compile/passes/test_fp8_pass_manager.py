@@ -118,3 +118,24 @@ def test_a_fusion_without_a_pass_is_not_claimed(caplog, monkeypatch, platform):
     monkeypatch.setattr(platform, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
     assert platform.supports_allreduce_rms_fusion(None) is False
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"], indirect=True)
+def test_tracing_patterns_builds_the_cpu_kernels_only_for_a_cpu_model(monkeypatch, platform):
+    """The patterns are traced with CPU example tensors, which runs the ops' CPU forms: on a
+    GPU machine that must not build the C++ CPU kernels (a compiler run at the first FP8
+    compile, or a logged failure without one)."""
+    from vllm.model_executor.kernels import cpu_loader
+    from vllm.utils import cpu_kernels
+
+    builds = []
+    monkeypatch.setattr(cpu_loader, "cpu_fp8_kernels_loaded", lambda: False)
+    monkeypatch.setattr(cpu_loader, "load_cpu_extension",
+                        lambda *a, **k: builds.append(a[0]) or False)
+    monkeypatch.setattr(cpu_kernels, "load_cpu_extension", cpu_loader.load_cpu_extension)
+    from vllm.compilation.passes.rms_quant_fusion import RMSNormQuantFusionPass
+
+    RMSNormQuantFusionPass(config(model_configs.fp8("static"), fuse_norm_quant=True))
+    assert cpu_loader._allowed  # restored after the registration
+    if not platform.is_cpu():
+        assert builds == []

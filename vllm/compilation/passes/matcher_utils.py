@@ -23,6 +23,7 @@ fused kernel is given the epsilon it matched.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import threading
@@ -240,7 +241,13 @@ class FusionPatterns:
                  extra_check: Callable[[Any], bool] | None = None) -> None:
         from torch._inductor.pattern_matcher import register_replacement
 
-        with _registration_lock:
+        from vllm.model_executor.kernels.cpu_loader import cpu_kernels_held_back
+        from vllm.platforms import get_current_platform
+
+        # The patterns are traced on CPU tensors; only a CPU model wants the CPU kernels.
+        held_back = (contextlib.nullcontext() if get_current_platform().is_cpu()
+                     else cpu_kernels_held_back())
+        with _registration_lock, held_back:
             added = register_replacement(
                 search, replace, inputs, make_trace_fn(decompose), self.patterns,
                 extra_check=extra_check or (lambda match: True), skip_duplicates=True)

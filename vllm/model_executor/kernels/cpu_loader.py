@@ -16,7 +16,9 @@ implementation: the kernels are an optimisation, never a requirement.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from vllm.utils.cpu_kernels import cpu_extension_loaded, load_cpu_extension
 
@@ -32,6 +34,20 @@ def set_cpu_kernels_allowed(allowed: bool) -> None:
     of the plain-torch path call this before anything loads it; a loaded library stays)."""
     global _allowed
     _allowed = bool(allowed)
+
+
+@contextlib.contextmanager
+def cpu_kernels_held_back() -> Iterator[None]:
+    """Within the block `load_cpu_fp8_kernels()` neither builds nor loads the library (one
+    loaded already stays): CPU calls of the ops run their plain-torch forms. For tracing
+    fusion patterns with CPU example tensors where the model itself runs on a GPU: the traced
+    graph is the same, and a fresh GPU machine needs no C++ build for it."""
+    global _allowed
+    previous, _allowed = _allowed, False
+    try:
+        yield
+    finally:
+        _allowed = previous
 
 
 def read_source() -> str:
