@@ -36,7 +36,8 @@ class CudaPlatform(Platform):
         name = model_config.checkpoint_dtype
         if name != "float32":
             return getattr(torch, name), f"checkpoint dtype {name}"
-        half = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        half = (torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False)
+                else torch.float16)  # not emulated bf16 (pre-Ampere GPUs)
         return half, (f"checkpoint dtype float32, run in {str(half)[6:]} on CUDA; pass --dtype "
                       "float32 to keep float32")
 
