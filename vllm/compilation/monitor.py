@@ -55,6 +55,15 @@ class StartupTimer:
         finally:
             self.record(name, time.perf_counter() - start, **details)
 
+    @contextlib.contextmanager
+    def phase_around(self, name: str, nested: tuple[str, ...]) -> Iterator[None]:
+        """Time the block as phase `name`, less the time the `nested` phases recorded inside
+        it (they are rows of their own: counted twice, the rows would exceed the wall time)."""
+        before = sum(self.seconds(n) for n in nested)
+        with self.phase(name):
+            yield
+        self.subtract(name, sum(self.seconds(n) for n in nested) - before)
+
     def record(self, name: str, seconds: float, **info: Any) -> None:
         with self._lock:
             self._events.append((name, float(seconds), info))

@@ -54,26 +54,26 @@ class UniProcExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
     def _start(self, load_format: str) -> None:
-        """Start every worker; each step is a phase of the process-wide start-up timer (the
-        warm-up without the Dynamo trace, compiles and captures it runs: those are their own
-        phases, recorded where they happen)."""
+        """Start every worker; each step is a phase of the process-wide start-up timer, less
+        the Dynamo trace, compiles and captures run inside it (phases of their own)."""
         from vllm.compilation.monitor import get_startup_timer
 
         timer = get_startup_timer()
+        # Phases recorded where they happen, inside the two below: on CUDA the KV cache sizing's
+        # profiling forward is the first forward (the trace and the compiles run there), else
+        # the warm-up's.
+        nested = ("dynamo tracing", "graph loading", "inductor compilation",
+                  "cudagraph capture", "weight prepacking")
         self._call_all("init_device")
         with timer.phase("weight loading"):
             self._call_all("load_model", load_format)
-        with timer.phase("kv cache allocation"):
+        with timer.phase_around("kv cache allocation", nested):
             # Every rank must fit the cache: take the smallest.
             self.num_blocks = min(self._call_all("determine_num_blocks"))
             self._call_all("initialize_cache", self.num_blocks)
         self._log_kv_cache()
-        nested = ("dynamo tracing", "graph loading", "inductor compilation",
-                  "cudagraph capture", "weight prepacking")
-        before = sum(timer.seconds(name) for name in nested)
-        with timer.phase("warm-up"):
+        with timer.phase_around("warm-up", nested):
             self._call_all("compile_or_warm_up_model")
-        timer.subtract("warm-up", sum(timer.seconds(name) for name in nested) - before)
 
     def _log_kv_cache(self) -> None:
         cc, sc = self.vllm_config.cache_config, self.vllm_config.scheduler_config
