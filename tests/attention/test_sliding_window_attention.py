@@ -262,6 +262,31 @@ def test_impl_paths_match_dense(dtype, heads, kv_heads, head_size, block_size, w
     torch.testing.assert_close(full.double(), dense_full, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 1, 5, 30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_path_with_query_groups_folded(dtype, window, monkeypatch):
+    """What CUDA runs for masked GQA calls (decode rows, prompts over cached context, windows):
+    each key head's query heads folded into the query rows, so that no `enable_gqa` call
+    with a mask falls to the math kernel. Forced here on the CPU against the dense reference
+    (GQA 3:1)."""
+    from vllm.attention.backends import torch_sdpa
+
+    monkeypatch.setattr(cpu_paged_kernel, "cpu_paged_attention_available", lambda: False)
+    folded = []
+    real = torch_sdpa.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        folded.append(not kwargs.get("enable_gqa", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_sdpa, "_fold_query_groups", lambda device: True)
+    monkeypatch.setattr(torch_sdpa.F, "scaled_dot_product_attention", spy)
+    ours, dense, _, _ = run_impl(dtype, window, 6, 2, 16, 4)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(ours.double(), dense, atol=tol, rtol=tol)
+    assert any(folded)  # the masked calls went through the folded form
+
+
 def test_torch_path_env_switch(monkeypatch):
     """VLLM_CPU_ATTENTION_KERNEL=0 keeps the kernel unloaded; the window still applies."""
     from vllm.utils import cpu_kernels

@@ -259,8 +259,7 @@ class TorchSDPAImpl(AttentionImpl):
         keys = gathered[0].transpose(1, 2).to(q.dtype)  # [B, kv_heads, max_len, hd]
         values = gathered[1].transpose(1, 2).to(q.dtype)
         queries = q[plan.token_index].unsqueeze(2)  # [B, heads, 1, hd]
-        result = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask,
-                                                scale=self.scale, enable_gqa=gqa)
+        result = _sdpa(queries, keys, values, plan.mask, False, self.scale, gqa)
         out[plan.token_index] = self._to_output(result.squeeze(2))
 
     def _prefill(self, q, k, v, out, kv_cache, md, req, start, query_len, seq_len,
@@ -293,10 +292,9 @@ class TorchSDPAImpl(AttentionImpl):
             if window is not None:
                 mask &= positions > rows - window
             causal = False
-        result = F.scaled_dot_product_attention(
-            queries, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            values.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal,
-            scale=self.scale, enable_gqa=gqa)
+        result = _sdpa(queries, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                       values.transpose(0, 1).unsqueeze(0).to(q.dtype), mask, causal,
+                       self.scale, gqa)
         out[start:end] = self._to_output(result.squeeze(0).transpose(0, 1))
 
     def _to_output(self, result: torch.Tensor) -> torch.Tensor:
@@ -306,6 +304,33 @@ class TorchSDPAImpl(AttentionImpl):
         import vllm.model_executor.kernels.fp8_ops  # noqa: F401  (defines the op)
 
         return torch.ops.vllm.static_scaled_fp8_quant(result.contiguous(), scale)
+
+
+def _fold_query_groups(device: torch.device) -> bool:
+    """CUDA: of torch's SDPA kernels, flash takes no mask and memory-efficient no
+    `enable_gqa`, so a masked GQA call falls to the math kernel (float32 scores of every
+    head, K/V copied per head: gigabytes at long contexts). Folding each key head's group of
+    query heads into the query rows makes it a plain masked call."""
+    return device.type == "cuda"
+
+
+def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+          mask: torch.Tensor | None, causal: bool, scale: float, gqa: bool) -> torch.Tensor:
+    """SDPA of queries [B, heads, L, hd] over keys / values [B, kv_heads, S, hd]; `mask`
+    [..., L, S] (broadcast over batch and heads) or `causal`."""
+    if not (gqa and mask is not None and _fold_query_groups(queries.device)):
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                              is_causal=causal, scale=scale, enable_gqa=gqa)
+    batch, heads, rows, head_size = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    # Query head h reads key head h // group: [B, kv_heads, group * L, hd], one mask row
+    # per (query head of the group, query row).
+    folded = queries.reshape(batch, kv_heads, group * rows, head_size)
+    mask = mask.expand(*mask.shape[:-2], rows, mask.shape[-1])
+    mask = mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
+    result = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return result.view(batch, heads, rows, head_size)
 
 
 def _gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
