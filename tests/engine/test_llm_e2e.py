@@ -181,6 +181,24 @@ def test_logprobs_match_transformers(llm, hf_model, tokenizer):
         assert entry[ids[pos]].rank == rank
 
 
+def test_prompt_logprobs_computed_in_chunks_match_transformers(llm, hf_model, tokenizer,
+                                                                monkeypatch):
+    """Prompt logprobs are computed a few hundred positions at a time (a whole chunk's float32
+    logits at once took gigabytes); here 2 at a time, so chunk edges fall inside the prompt."""
+    from vllm.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", 2)
+    ids = tokenizer.encode(PROMPTS[1])
+    assert len(ids) > 4
+    out = llm.generate(PROMPTS[1], greedy(1, prompt_logprobs=1), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        assert out.prompt_logprobs[pos][ids[pos]].logprob == pytest.approx(
+            ref[pos - 1, ids[pos]].item(), abs=1e-4)
+
+
 def test_token_prompts_and_chat(llm, hf_greedy, tokenizer):
     ids = tokenizer.encode(PROMPTS[1])
     out = llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)[0]

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+PROMPT_LOGPROBS_ROWS = 512
+"""Prompt positions whose logits are computed at once for prompt_logprobs."""
+
 
 @dataclass
 class CachedRequestState:
@@ -411,15 +414,22 @@ class ModelRunner:
         for req_id, first_row, first_pos, n in rows:
             state = self.requests[req_id]
             k = state.sampling_params.prompt_logprobs
-            logits = self.model.compute_logits(hidden[first_row:first_row + n])
-            if not self.is_driver:
-                continue
-            targets = torch.tensor(state.token_ids[first_pos + 1:first_pos + 1 + n],
-                                   device=self.device)
-            lp = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
-            ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-            output.prompt_logprobs[req_id] = (
-                first_pos, [LogprobsLists(ids[i], lps[i], ranks[i]) for i in range(n)])
+            lists: list[LogprobsLists] = []
+            # In chunks: float32 logits and their log-softmax of a whole prompt chunk would
+            # be 2 x rows x vocab floats at once (~10 GB for 8192 rows of a 152k vocabulary).
+            for start in range(0, n, PROMPT_LOGPROBS_ROWS):
+                rows_here = min(PROMPT_LOGPROBS_ROWS, n - start)
+                row = first_row + start
+                logits = self.model.compute_logits(hidden[row:row + rows_here])
+                if not self.is_driver:
+                    continue
+                pos = first_pos + start + 1
+                targets = torch.tensor(state.token_ids[pos:pos + rows_here], device=self.device)
+                lp = gather_logprobs(logits.float().log_softmax(dim=-1), k, targets)
+                ids, lps, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+                lists += [LogprobsLists(ids[i], lps[i], ranks[i]) for i in range(rows_here)]
+            if self.is_driver:
+                output.prompt_logprobs[req_id] = (first_pos, lists)
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
