@@ -137,13 +137,25 @@ def test_chat(client):
         max_tokens=4, temperature=0, stream=True, n=2,
         stream_options={"include_usage": True})
     chunks = list(stream)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    # One choice per chunk, as vLLM streams: `chunk.choices[0]` sees every choice.
+    assert all(len(c.choices) == 1 for c in chunks[:-1]) and chunks[-1].choices == []
     texts = {0: "", 1: ""}
-    for c in chunks:
-        for ch in c.choices:
-            texts[ch.index] += ch.delta.content or ""
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].delta.content or ""
     assert texts == {0: "abcd", 1: "abcd"}
     assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_completion_stream_sends_one_choice_per_chunk(client):
+    chunks = list(client.completions.create(model=MODEL, prompt=["abc", "xy"], n=2,
+                                            max_tokens=3, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert all(len(c.choices) == 1 for c in chunks)
+    texts = dict.fromkeys(range(4), "")
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == {0: "def", 1: "def", 2: "zab", 3: "zab"}
 
 
 def test_chat_logprobs(client):

@@ -129,9 +129,10 @@ class OpenAIServingChat(OpenAIServing):
             return sse(body)
 
         try:
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}
-                         for i in range(request.n)])
+            # One choice per chunk, as vLLM streams (clients read `chunk.choices[0]`).
+            for i in range(request.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
             async for _, output in self.merged(streams):
                 choices = []
                 for c in output.outputs:
@@ -155,8 +156,8 @@ class OpenAIServingChat(OpenAIServing):
                                     "delta": {"content": delta} if delta else {},
                                     "logprobs": logprobs, "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
-                if choices:
-                    yield chunk(choices)
+                for choice in choices:
+                    yield chunk([choice])
             if include_usage:
                 yield sse({"id": base_id, "object": "chat.completion.chunk", "created": created,
                            "model": model, "choices": [], "usage": usage()})

@@ -422,9 +422,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices.append({"index": index, "text": prefix + delta,
                                     "logprobs": logprobs, "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
-                if choices:
+                for choice in choices:  # one per chunk, as vLLM streams
                     chunk = {"id": base_id, "object": "text_completion", "created": created,
-                             "model": model, "choices": choices}
+                             "model": model, "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = usage() if continuous else None
                     yield sse(chunk)
