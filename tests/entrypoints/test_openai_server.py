@@ -257,3 +257,38 @@ def test_metrics_after_traffic(server, client):
     assert metric_value(text, "vllm:time_to_first_token_seconds_count") - ttft0 == 4
     assert 'vllm:startup_phase_seconds{model_name="tiny",phase=' in text
     assert metric_value(text, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_echo_with_logprobs_covers_the_prompt(client, llm):
+    """As vLLM: with echo, the logprobs start at the prompt's tokens (the first one None, the
+    others the prompt logprobs) and run on over the generated ones; streamed the same."""
+    from vllm import SamplingParams
+
+    ids = llm.get_tokenizer().encode(PROMPT)
+    ref = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=1,
+                                              prompt_logprobs=1), use_tqdm=False)[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT)
+    assert len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(
+            ref.prompt_logprobs[pos][ids[pos]].logprob, abs=1e-4)
+    generated = ref.outputs[0]
+    for j, token in enumerate(generated.token_ids):
+        assert lp.token_logprobs[len(ids) + j] == pytest.approx(
+            generated.logprobs[j][token].logprob, abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                            temperature=0, echo=True, logprobs=1, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in chunks:
+        for key in streamed:
+            streamed[key] += getattr(c.choices[0].logprobs, key)
+    assert streamed["tokens"] == lp.tokens
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert streamed["text_offset"] == lp.text_offset

@@ -247,7 +247,7 @@ class OpenAIServing:
         """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for pos, tid in enumerate(token_ids):
-            entry = entries[pos] if entries is not None and pos < len(entries) else {}
+            entry = (entries[pos] if entries is not None and pos < len(entries) else None) or {}
             chosen = entry.get(tid)
             text = self.token_text(tid, chosen)
             tokens.append(text)
@@ -302,6 +302,21 @@ def _generation_defaults(engine: Any) -> dict[str, Any]:
             if getattr(params, name) != getattr(plain, name)}
 
 
+def _prompt_entries(output: RequestOutput, num_prompt_tokens: int) -> list:
+    """The prompt's logprob entries (the first token's None), or Nones when the engine gave
+    none."""
+    entries = list(output.prompt_logprobs or [])
+    return entries + [None] * (num_prompt_tokens - len(entries))
+
+
+def _end_offset(logprobs: dict, start: int) -> int:
+    """The text offset after the last token of a completions logprobs dict (`start` when it
+    holds no token)."""
+    if not logprobs["tokens"]:
+        return start
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
 def _vocab_size(tokenizer: Any, engine: Any) -> int | None:
     try:
         return int(engine.model_config.get_vocab_size())
@@ -344,8 +359,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts.append(ids)
         longest = max(len(p) for p in prompts)
         max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
-        params = self.sampling_params(request.sampling_kwargs(self.default_sampling),
-                                      max_tokens, request.logprobs)
+        kwargs = request.sampling_kwargs(self.default_sampling)
+        if request.echo and request.logprobs is not None:
+            # The echoed prompt's tokens get logprobs too (the first one None), as in vLLM.
+            kwargs["prompt_logprobs"] = request.logprobs
+        params = self.sampling_params(kwargs, max_tokens, request.logprobs)
         base_id = random_id("cmpl")
         created = int(time.time())
         streams = await self.start(base_id, prompts, params)
@@ -367,8 +385,12 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in final.outputs:
                 completion_tokens += len(c.token_ids)
                 logprobs = None
-                if request.logprobs is not None:
-                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                if request.logprobs is not None and request.echo:
+                    logprobs = self.completion_logprobs(
+                        prompts[i] + list(c.token_ids),
+                        _prompt_entries(final, len(prompts[i])) + list(c.logprobs or []), 0)
+                elif request.logprobs is not None:
+                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, 0)
                 choices.append({"index": i * n + c.index, "text": prefix + c.text,
                                 "logprobs": logprobs, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
@@ -385,6 +407,9 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        next_offset: dict[int, int] = {}
+        """echo + logprobs: the text offset of each choice's next token (its tokens' texts
+        summed, the prompt's included), as the whole response counts them."""
         finished: set[int] = set()
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -413,9 +438,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     prefix = texts[i] if first and request.echo else ""
                     logprobs = None
                     if request.logprobs is not None:
-                        entries = None if c.logprobs is None else c.logprobs[start_tok:]
-                        logprobs = self.completion_logprobs(new_ids, entries,
-                                                            len(prefix) + start_text)
+                        entries = [] if c.logprobs is None else list(c.logprobs[start_tok:])
+                        ids, offset = new_ids, start_text
+                        if request.echo:  # offsets run on over the echoed prompt's tokens
+                            if first:
+                                ids = prompts[i] + list(new_ids)
+                                entries = _prompt_entries(output, len(prompts[i])) + entries
+                            offset = next_offset.get(index, 0)
+                        logprobs = self.completion_logprobs(ids, entries, offset)
+                        next_offset[index] = _end_offset(logprobs, offset)
                     sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         finished.add(index)
