@@ -407,9 +407,9 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        # echo + logprobs: the text offset of each choice's next token (its tokens' texts
+        # summed, the prompt's included), as the whole response counts them.
         next_offset: dict[int, int] = {}
-        """echo + logprobs: the text offset of each choice's next token (its tokens' texts
-        summed, the prompt's included), as the whole response counts them."""
         finished: set[int] = set()
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
