@@ -384,3 +384,24 @@ def test_closing_a_stream_before_it_starts_aborts_its_requests():
         assert len(fake.aborted) == 2
     finally:
         engine.shutdown()
+
+
+def test_tokenize_and_detokenize(url, fake):
+    """vLLM's /tokenize (a prompt, or chat messages through the chat template) and
+    /detokenize, with the server's own tokenizer."""
+    body = post(url, "/tokenize", {"model": MODEL, "prompt": "abc"}).json()
+    assert body == {"count": len(body["tokens"]), "max_model_len": 128,
+                    "tokens": body["tokens"]}
+    assert post(url, "/detokenize", {"tokens": body["tokens"]}).json()["prompt"].endswith("abc")
+    chat = post(url, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert post(url, "/detokenize", {"tokens": chat["tokens"]}).json()["prompt"] == \
+        "[user]hi\n[assistant]"  # the fake's chat template, generation prompt included
+    strs = post(url, "/tokenize", {"prompt": "ab", "return_token_strs": True}).json()
+    assert len(strs["token_strs"]) == strs["count"]
+    for bad, param in [({}, "prompt"), ({"prompt": "a", "messages": []}, "prompt"),
+                       ({"prompt": 5}, "prompt")]:
+        resp = post(url, "/tokenize", bad)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, bad
+    resp = post(url, "/detokenize", {"tokens": [10**9]})
+    assert resp.status_code == 400 and "outside the vocabulary" in resp.json()["error"]["message"]
+    assert post(url, "/tokenize", {"model": "other", "prompt": "a"}).status_code == 404

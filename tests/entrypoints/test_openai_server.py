@@ -292,3 +292,21 @@ def test_echo_with_logprobs_covers_the_prompt(client, llm):
     assert streamed["tokens"] == lp.tokens
     assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-6)
     assert streamed["text_offset"] == lp.text_offset
+
+
+def test_tokenize_counts_what_completions_count(server, client, llm):
+    ids = llm.get_tokenizer().encode(PROMPT)
+    body = httpx.post(server.url + "/tokenize", headers=AUTH, timeout=10,
+                      json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    assert body["tokens"] == ids and body["max_model_len"] == 512
+    assert body["token_strs"] == llm.get_tokenizer().convert_ids_to_tokens(ids)
+    usage = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
+    assert body["count"] == usage.prompt_tokens
+    text = httpx.post(server.url + "/detokenize", headers=AUTH, timeout=10,
+                      json={"tokens": ids}).json()["prompt"]
+    assert text == llm.get_tokenizer().decode(ids)
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = httpx.post(server.url + "/tokenize", headers=AUTH, timeout=10,
+                      json={"messages": messages}).json()
+    used = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert chat["count"] == used.prompt_tokens

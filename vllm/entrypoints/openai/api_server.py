@@ -32,12 +32,15 @@ from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
     error_body,
     parse_request,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import ClientDisconnected, OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger
 from vllm.version import __version__
 
@@ -68,6 +71,7 @@ class ServerState:
                                                   self.max_model_len, tokenizer)
         self.chat = OpenAIServingChat(engine, self.served_model_names, self.max_model_len,
                                       tokenizer)
+        self.tokenization = OpenAIServingTokenization(self.chat)
 
 
 def _own_copy(tokenizer: Any) -> Any:
@@ -216,6 +220,16 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
             return respond(await state.chat.create_chat_completion(request, raw))
         except ClientDisconnected:
             return Response(status_code=499)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> JSONResponse:
+        request = parse_request(TokenizeRequest, await read_json(raw))
+        return JSONResponse(state.tokenization.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> JSONResponse:
+        request = parse_request(DetokenizeRequest, await read_json(raw))
+        return JSONResponse(state.tokenization.detokenize(request))
 
     return app
 

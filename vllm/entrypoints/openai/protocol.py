@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from pydantic import ValidationError as PydanticValidationError
 
 __all__ = [
-    "ChatCompletionRequest", "CompletionRequest", "OpenAIError", "StreamOptions",
-    "error_body", "from_validation_error", "parse_request",
+    "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "OpenAIError",
+    "StreamOptions", "TokenizeRequest", "error_body", "from_validation_error", "parse_request",
 ]
 
 _ERROR_TYPES = {
@@ -177,6 +177,27 @@ class ChatCompletionRequest(_SamplingFields):
     def output_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered with the chat template."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize (vLLM's)."""
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
