@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server behind `vllm serve`.
 
 Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or server-sent events),
-`/health`, `/version`, `/metrics` (Prometheus text). With an API key (`--api-key` or
-VLLM_API_KEY) every `/v1` route needs `Authorization: Bearer <key>`.
+`/tokenize`, `/detokenize` (vLLM's), `/health`, `/version`, `/metrics` (Prometheus text). With
+an API key (`--api-key` or VLLM_API_KEY) every `/v1` route needs `Authorization: Bearer <key>`.
 
 Life cycle: the engine is built (model loaded, compiled) before the socket is bound, so
 `/health` answers 200 only once the server can generate. SIGTERM (or Ctrl+C) starts a
