@@ -160,7 +160,16 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(OpenAIBaseModel):
+    """How messages are rendered with the chat template (chat completions and /tokenize)."""
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     messages: list[dict[str, Any]] = Field(...)
@@ -168,10 +177,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
     def output_budget(self) -> int | None:
@@ -179,17 +184,13 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(_ChatTemplateFields):
     """POST /tokenize (vLLM's): a prompt, or chat messages rendered with the chat template."""
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
     return_token_strs: StrictBool = False
 
 
