@@ -51,8 +51,10 @@ class SamplingParams:
     min_tokens: int = 0
     """EOS and stop tokens are masked (and stop strings ignored) until this many tokens."""
     logprobs: int | None = None
-    """Return this many top logprobs (plus the sampled token's) per output token."""
+    """Return this many top logprobs (plus the sampled token's) per output token; -1: the
+    whole vocabulary. The engine refuses more than its max_logprobs (default 20)."""
     prompt_logprobs: int | None = None
+    """The same for every prompt token after the first."""
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -111,11 +113,11 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got "
                              f"{self.min_tokens}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", "an integer >= 0 or None")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):
+            raise bad("logprobs", "an integer >= 0, -1 (the whole vocabulary) or None")
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
-                                                 or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", "an integer >= 0 or None")
+                                                 or self.prompt_logprobs < -1):
+            raise bad("prompt_logprobs", "an integer >= 0, -1 (the whole vocabulary) or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
                              f"got {self.stop!r}")

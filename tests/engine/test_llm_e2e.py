@@ -181,6 +181,32 @@ def test_logprobs_match_transformers(llm, hf_model, tokenizer):
         assert entry[ids[pos]].rank == rank
 
 
+def test_logprobs_beyond_max_logprobs_are_refused_up_front(llm, llama_path):
+    """More logprobs than max_logprobs (default 20) or the vocabulary is a ValueError naming
+    both, before anything runs (it was a torch error from the sampler's topk mid-step);
+    -1 asks for the whole vocabulary where max_logprobs=-1 allows it."""
+    import math
+
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{name}=21 is more than the 20 allowed"):
+            llm.generate(PROMPTS[0], greedy(2, **{name: 21}), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate(PROMPTS[0], greedy(2, logprobs=20), use_tqdm=False)[0]
+               .outputs[0].logprobs[0]) >= 20
+
+    whole = LLM(model=llama_path, optimization_level=0, max_model_len=64, max_logprobs=-1)
+    vocab = whole.llm_engine.vocab_size
+    with pytest.raises(ValueError, match=rf"logprobs={vocab + 1} is more than the {vocab}"):
+        whole.generate(PROMPTS[0], greedy(2, logprobs=vocab + 1), use_tqdm=False)
+    out = whole.generate(PROMPTS[0], greedy(2, logprobs=-1, prompt_logprobs=-1),
+                         use_tqdm=False)[0]
+    for entry in out.outputs[0].logprobs + out.prompt_logprobs[1:]:
+        assert len(entry) == vocab
+        assert math.fsum(math.exp(lp.logprob) for lp in entry.values()) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= -1"):
+        LLM(model=llama_path, optimization_level=0, max_model_len=64, max_logprobs=-2)
+
+
 def test_prompt_logprobs_computed_in_chunks_match_transformers(llm, hf_model, tokenizer,
                                                                 monkeypatch):
     """Prompt logprobs are computed a few hundred positions at a time (a whole chunk's float32

@@ -1,7 +1,8 @@
 """`vllm serve` as a real process on a tiny checkpoint, driven by the official openai client.
 
 One server for the whole module (started once): -O0, a 1 MiB KV cache (about 127 blocks of 16
-tokens, so the load test overfills it and requests must wait or be preempted), an API key.
+tokens, so the load test overfills it and requests must wait or be preempted), an API key,
+--max-logprobs 30.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 def server(llama_path, tmp_path_factory):
     srv = RemoteServer("vllm.entrypoints.cli.main", [
         "serve", llama_path, "-O0", "--kv-cache-memory", "1MiB", "--max-model-len", "512",
-        "--served-model-name", MODEL, "--api-key", KEY, "--disable-uvicorn-access-log"],
+        "--served-model-name", MODEL, "--api-key", KEY, "--disable-uvicorn-access-log",
+        "--max-logprobs", "30"],
         log_dir=str(tmp_path_factory.mktemp("logs")))
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -310,3 +312,17 @@ def test_tokenize_counts_what_completions_count(server, client, llm):
                       json={"messages": messages}).json()
     used = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
     assert chat["count"] == used.prompt_tokens
+
+
+def test_max_logprobs_bounds_both_apis(client):
+    """--max-logprobs (here 30, default 20) is the bound of completions' logprobs and chat's
+    top_logprobs: within it answers, beyond it is a 400 naming the value and the bound."""
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                    logprobs=30)
+    # (top_logprobs is keyed by token text: tokens that decode alike share an entry)
+    assert len(out.choices[0].logprobs.top_logprobs[0]) > 20
+    with pytest.raises(openai.BadRequestError, match=r"between 0 and 30.*got 31"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=31)
+    with pytest.raises(openai.BadRequestError, match=r"between 0 and 30.*got 31"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, logprobs=True, top_logprobs=31)

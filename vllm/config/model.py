@@ -53,6 +53,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     enforce_eager: bool = False
     """Deprecated: the same as -O0."""
+    max_logprobs: int = 20
+    """The most logprobs a request may ask for, per sampled or prompt token (-1: the whole
+    vocabulary). As upstream: 20."""
     hf_config: Any = field(default=None, repr=False, compare=False)
     """A transformers PretrainedConfig given directly (tests); otherwise read from the folder."""
     torch_dtype: Any = field(default=None, init=False, repr=False, compare=False)
@@ -81,6 +84,10 @@ class ModelConfig:
                 f"max_position_embeddings ({limit})")
         if self.served_model_name is None:
             self.served_model_name = self.model
+        if (isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int)
+                or self.max_logprobs < -1):
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole "
+                             f"vocabulary), got {self.max_logprobs!r}")
 
     # ---- facts about the architecture -------------------------------------------------
     @property

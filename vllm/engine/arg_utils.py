@@ -63,6 +63,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     load_format: str = "auto"
     enforce_eager: bool = False
+    max_logprobs: int = 20
     optimization_level: OptimizationLevel | int | str | None = None
     compilation_config: dict | CompilationConfig | str | None = None
     block_size: int = 16
@@ -104,6 +105,9 @@ class EngineArgs:
                            help="Model name in the API (default: --model).")
         model.add_argument("--trust-remote-code", action="store_true",
                            help="Allow the model folder's own Python code.")
+        model.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                           help="The most logprobs a request may ask for per token (-1: the "
+                           "whole vocabulary). Default: %(default)s.")
         model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"],
                            default=d.load_format,
                            help="auto/safetensors: the folder's weights; dummy: random weights "
@@ -212,7 +216,8 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=self.seed,
             served_model_name=self.served_model_name,
-            trust_remote_code=self.trust_remote_code, enforce_eager=self.enforce_eager)
+            trust_remote_code=self.trust_remote_code, enforce_eager=self.enforce_eager,
+            max_logprobs=self.max_logprobs)
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory=self._kv_cache_memory(),

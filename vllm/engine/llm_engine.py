@@ -154,6 +154,22 @@ class LLMEngine:
                              f"got {bad[:5]}")
         return text, token_ids
 
+    def _resolve_logprobs(self, params: SamplingParams) -> None:
+        """-1 (the whole vocabulary) becomes the vocabulary size; more than max_logprobs (or
+        the vocabulary) is a ValueError naming both."""
+        limit = self.model_config.max_logprobs
+        limit = self.vocab_size if limit == -1 else min(limit, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked == -1:
+                asked = self.vocab_size
+                setattr(params, name, asked)
+            if asked is not None and asked > limit:
+                raise ValueError(
+                    f"{name}={asked} is more than the {limit} allowed (max_logprobs="
+                    f"{self.model_config.max_logprobs}, vocabulary {self.vocab_size}); "
+                    "raise --max-logprobs, -1 for the whole vocabulary")
+
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -169,6 +185,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.process_prompt(prompt)
         params = params.clone()
+        self._resolve_logprobs(params)
         params.update_from_eos(self.eos_token_ids)
         room = self.max_model_len - len(token_ids)
         max_tokens = max(1, min(params.max_tokens or room, room))

@@ -14,7 +14,6 @@ from vllm.entrypoints.openai.protocol import (
     normalize_messages,
 )
 from vllm.entrypoints.openai.serving_completion import (
-    MAX_LOGPROBS,
     ClosingStream,
     OpenAIServing,
     random_id,
@@ -61,9 +60,9 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(f"response_format type {fmt!r} is not supported", 400,
                               "response_format")
         top = request.top_logprobs
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise OpenAIError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}",
-                              400, "top_logprobs")
+        if top is not None and not 0 <= top <= self.max_logprobs:
+            raise OpenAIError(f"top_logprobs must be between 0 and {self.max_logprobs} (the "
+                              f"server's --max-logprobs), got {top}", 400, "top_logprobs")
         if top and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         prompt = self.render(request)

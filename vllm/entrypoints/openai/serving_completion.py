@@ -23,7 +23,6 @@ from vllm.outputs import RequestOutput
 logger = init_logger(__name__)
 
 MAX_N = 128
-MAX_LOGPROBS = 20
 _DISCONNECT_POLL_S = 0.25
 _DONE = object()
 
@@ -80,6 +79,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = _vocab_size(tokenizer, engine)
+        self.max_logprobs = _max_logprobs(engine, self.vocab_size)
         self.default_sampling = _generation_defaults(engine)
         self._token_text: dict[int, str] = {}
 
@@ -317,6 +317,16 @@ def _end_offset(logprobs: dict, start: int) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
+def _max_logprobs(engine: Any, vocab_size: int | None) -> int:
+    """The engine's max_logprobs (--max-logprobs; default 20), -1 meaning the vocabulary."""
+    limit = getattr(getattr(engine, "model_config", None), "max_logprobs", 20)
+    if not isinstance(limit, int):
+        limit = 20
+    if vocab_size is not None and (limit == -1 or limit > vocab_size):
+        return vocab_size
+    return limit
+
+
 def _vocab_size(tokenizer: Any, engine: Any) -> int | None:
     try:
         return int(engine.model_config.get_vocab_size())
@@ -341,9 +351,10 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("best_of is not supported (use n)", 400, "best_of")
         if request.logit_bias:
             raise OpenAIError("logit_bias is not supported", 400, "logit_bias")
-        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
-            raise OpenAIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got "
-                              f"{request.logprobs}", 400, "logprobs")
+        if request.logprobs is not None and not 0 <= request.logprobs <= self.max_logprobs:
+            raise OpenAIError(f"logprobs must be between 0 and {self.max_logprobs} (the "
+                              f"server's --max-logprobs), got {request.logprobs}", 400,
+                              "logprobs")
         texts: list[str] = []
         prompts: list[list[int]] = []
         for item in request.prompts():
