@@ -25,6 +25,9 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
 LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
+# Qwen-style YaRN: a 128-token pre-training context stretched 4x (= max_position_embeddings).
+YARN_ROPE_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 (match TINY's pad/bos/eos ids)
 
 CHAT_TEMPLATE = (

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.model_executor.hf_checkpoints import LLAMA3_ROPE_SCALING, MAKERS
+from tests.model_executor.hf_checkpoints import LLAMA3_ROPE_SCALING, MAKERS, YARN_ROPE_SCALING
 from tests.model_executor.paged_runner import PagedRunner
 from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
 from vllm.model_executor.model_loader import get_model
@@ -134,6 +134,30 @@ def test_llama3_rope_scaling(checkpoints):
     model, _ = build(path)
     assert type(model.model.layers[0].self_attn.rotary_emb).__name__ == "Llama3RotaryEmbedding"
     run_scenario(path, 4)
+
+
+@pytest.mark.parametrize("arch, scaling", [
+    ("qwen2", YARN_ROPE_SCALING),
+    ("llama", {**YARN_ROPE_SCALING, "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.3}),
+    ("qwen3", {**YARN_ROPE_SCALING, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}),
+], ids=["qwen2-defaults", "llama-betas-attention-factor", "qwen3-mscale-no-truncate"])
+def test_yarn_rope_scaling(checkpoints, arch, scaling):
+    """YaRN (Qwen's long-context setting) gives transformers' logits, with its defaults and
+    with each optional parameter; the default max_model_len is the pre-training length times
+    the factor, as vLLM derives it."""
+    path = checkpoints(arch, rope_scaling=scaling)
+    model, config = build(path)
+    rope = model.model.layers[0].self_attn.rotary_emb
+    assert type(rope).__name__ == "YaRNScalingRotaryEmbedding"
+    assert config.model_config.max_model_len == 128 * 4
+    run_scenario(path, 4)
+
+
+def test_unsupported_rope_type_is_a_clear_error(checkpoints):
+    path = checkpoints("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported; "
+                       "supported: default, linear, llama3, yarn"):
+        build(path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])

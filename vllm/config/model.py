@@ -109,6 +109,10 @@ class ModelConfig:
 
     def derived_max_model_len(self) -> int:
         text = self.text_config
+        if isinstance(getattr(text, "max_position_embeddings", None), int):
+            from vllm.model_executor.layers.rotary_embedding import rope_max_position
+
+            return rope_max_position(text)
         for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
             value = getattr(text, key, None)
             if isinstance(value, int) and value > 0:

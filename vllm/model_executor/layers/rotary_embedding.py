@@ -14,7 +14,7 @@ import torch
 
 from vllm.model_executor.custom_op import CustomOp
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @CustomOp.register("rotary_embedding")
@@ -129,6 +129,76 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         return torch.where(in_band, smoothed, scaled)
 
 
+class YaRNScalingRotaryEmbedding(RotaryEmbedding):
+    """YaRN (rope type "yarn"): frequencies whose wavelength fits many times into the
+    pre-training context (`original_max_position`) are kept, those that rotate less than once
+    in it are divided by `factor`, with a linear ramp between (the band set by `beta_fast` and
+    `beta_slow` rotations); cos and sin are multiplied by `attention_factor` (by default
+    0.1 * ln(factor) + 1, or the ratio of the two mscale terms where both are given)."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int,
+                 base: float, is_neox_style: bool, factor: float, original_max_position: int,
+                 beta_fast: float = 32.0, beta_slow: float = 1.0,
+                 attention_factor: float | None = None, mscale: float | None = None,
+                 mscale_all_dim: float | None = None, truncate: bool = True) -> None:
+        self.factor = float(factor)
+        self.original_max_position = int(original_max_position)
+        self.beta_fast = float(beta_fast)
+        self.beta_slow = float(beta_slow)
+        self.truncate = bool(truncate)
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = (_yarn_mscale(self.factor, float(mscale))
+                                    / _yarn_mscale(self.factor, float(mscale_all_dim)))
+            else:
+                attention_factor = _yarn_mscale(self.factor)
+        self.attention_factor = float(attention_factor)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+
+    def _correction_dim(self, rotations: float) -> float:
+        """The channel pair index whose frequency turns `rotations` times over the original
+        context."""
+        return (self.rotary_dim * math.log(self.original_max_position / (rotations * 2 * math.pi))
+                / (2 * math.log(self.base)))
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        kept = super()._compute_inv_freq()
+        low = self._correction_dim(self.beta_fast)
+        high = self._correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, self.rotary_dim - 1)
+        if low == high:
+            high += 0.001
+        pairs = torch.arange(self.rotary_dim // 2, dtype=torch.float32, device="cpu")
+        # 1 below the band (high frequencies: kept), 0 above it (divided by factor).
+        keep = 1 - ((pairs - low) / (high - low)).clamp(0, 1)
+        return kept / self.factor * (1 - keep) + kept * keep
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        return super()._compute_cos_sin_cache() * self.attention_factor
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_max_position(hf_config: Any) -> int:
+    """How many positions the model's RoPE is meant for: max_position_embeddings, times the
+    factor for "linear" scaling, and the pre-training length times the factor for "yarn"
+    (as vLLM derives the default max_model_len)."""
+    limit = int(hf_config.max_position_embeddings)
+    _, scaling, _ = rope_config(hf_config)
+    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    factor = (scaling or {}).get("factor")
+    if rope_type == "yarn" and factor:
+        original = scaling.get("original_max_position_embeddings") or limit
+        return int(original * factor)
+    if rope_type == "linear" and factor:
+        return int(limit * factor)
+    return limit
+
+
 def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None, float]:
     """(rope_theta, scaling parameters or None, partial_rotary_factor) from a HF config.
 
@@ -147,9 +217,11 @@ def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None, float]:
 
 
 def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
-             rope_scaling: dict[str, Any] | None = None,
-             is_neox_style: bool = True) -> RotaryEmbedding:
-    """Build the rotary embedding for `rope_scaling` (None / "default", "linear", "llama3")."""
+             rope_scaling: dict[str, Any] | None = None, is_neox_style: bool = True,
+             original_max_position: int | None = None) -> RotaryEmbedding:
+    """Build the rotary embedding for `rope_scaling` (None / "default", "linear", "llama3",
+    "yarn") with a cos/sin cache of `max_position` positions. `original_max_position`: the
+    config's max_position_embeddings, for scalings that name no pre-training length."""
     if not rope_scaling:
         return RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style)
     rope_type = rope_scaling.get("rope_type") or rope_scaling.get("type") or "default"
@@ -158,11 +230,22 @@ def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
     if rope_type == "linear":
         return LinearScalingRotaryEmbedding(head_size, rotary_dim, max_position, base,
                                             is_neox_style, rope_scaling["factor"])
+    # transformers fills a missing pre-training length with max_position_embeddings.
+    original = (rope_scaling.get("original_max_position_embeddings") or original_max_position
+                or max_position)
     if rope_type == "llama3":
         return Llama3RotaryEmbedding(
             head_size, rotary_dim, max_position, base, is_neox_style,
             factor=rope_scaling["factor"], low_freq_factor=rope_scaling["low_freq_factor"],
-            high_freq_factor=rope_scaling["high_freq_factor"],
-            original_max_position=rope_scaling["original_max_position_embeddings"])
+            high_freq_factor=rope_scaling["high_freq_factor"], original_max_position=original)
+    if rope_type == "yarn":
+        return YaRNScalingRotaryEmbedding(
+            head_size, rotary_dim, max_position, base, is_neox_style,
+            factor=rope_scaling["factor"], original_max_position=original,
+            beta_fast=rope_scaling.get("beta_fast") or 32,
+            beta_slow=rope_scaling.get("beta_slow") or 1,
+            attention_factor=rope_scaling.get("attention_factor"),
+            mscale=rope_scaling.get("mscale"), mscale_all_dim=rope_scaling.get("mscale_all_dim"),
+            truncate=rope_scaling.get("truncate", True))
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: "
                      + ", ".join(_SUPPORTED_ROPE_TYPES))

@@ -34,7 +34,12 @@ from vllm.model_executor.layers.linear import (
     default_weight_loader,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_config
+from vllm.model_executor.layers.rotary_embedding import (
+    RotaryEmbedding,
+    get_rope,
+    rope_config,
+    rope_max_position,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -214,8 +219,9 @@ class LlamaModel(nn.Module):
         theta, scaling, partial = rope_config(config)
         head_dim = head_dim_of(config)
         # One rotary module (and one cos/sin cache) shared by every layer.
-        rotary_emb = get_rope(head_dim, int(head_dim * partial), config.max_position_embeddings,
-                              theta, scaling)
+        rotary_emb = get_rope(head_dim, int(head_dim * partial), rope_max_position(config),
+                              theta, scaling,
+                              original_max_position=config.max_position_embeddings)
         self.layers = nn.ModuleList(
             layer_type(config, rotary_emb, cache_config=cache_config, quant_config=quant_config,
                        prefix=maybe_prefix(prefix, f"layers.{i}"),
