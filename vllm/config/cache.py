@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 from vllm.config.utils import hash_fields, parse_human_size
 
+_CACHE_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
+                        "float": "float32", "fp32": "float32"}
+
 
 @dataclass
 class CacheConfig:
@@ -35,9 +38,12 @@ class CacheConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError("num_gpu_blocks_override must be at least 2 (one block is reserved "
                              f"for padding), got {self.num_gpu_blocks_override}")
+        self.cache_dtype = _CACHE_DTYPE_ALIASES.get(str(self.cache_dtype), self.cache_dtype)
         if self.cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"cache_dtype must be one of auto, float32, bfloat16, float16; "
-                             f"got {self.cache_dtype!r}")
+            hint = (" (FP8 KV caches are not implemented)"
+                    if str(self.cache_dtype).startswith("fp8") else "")
+            raise ValueError(f"kv_cache_dtype must be one of auto, bfloat16, float16, float32; "
+                             f"got {self.cache_dtype!r}{hint}")
 
     def compute_hash(self) -> str:
         # Memory sizing never changes the compiled graph.

@@ -70,6 +70,7 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -152,6 +153,9 @@ class EngineArgs:
         cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                            default=d.enable_prefix_caching,
                            help="Reuse the KV blocks of shared prompt prefixes.")
+        cache.add_argument("--kv-cache-dtype", type=str, default=d.kv_cache_dtype,
+                           help="dtype of the stored keys and values: auto (the model's), "
+                           "bfloat16, float16 or float32. Default: %(default)s.")
         cache.add_argument("--num-gpu-blocks-override", type=positive_int,
                            default=d.num_gpu_blocks_override,
                            help="Use exactly this many KV blocks (tests, debugging).")
@@ -221,7 +225,7 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory=self._kv_cache_memory(),
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching, cache_dtype=self.kv_cache_dtype,
             num_gpu_blocks_override=self.num_gpu_blocks_override)
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
