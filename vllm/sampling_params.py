@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,14 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+def _token_key(key: Any) -> Any:
+    """A logit_bias key as an int where it is one ("42" -> 42); anything else is kept for
+    the check to name."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 @dataclass
@@ -60,6 +69,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    """token id -> value added to its logit before sampling (OpenAI's logit_bias). The
+    returned logprobs stay the model's own."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids can be sampled."""
     # Filled by the engine from the tokenizer and generation config (not user fields).
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False,
                                           compare=False)
@@ -73,6 +87,11 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            # JSON object keys arrive as strings ("50256": -100).
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change argmax, so turn them off.
@@ -124,6 +143,16 @@ class SamplingParams:
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got "
                              f"{self.stop_token_ids!r}")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or any(not is_int(k) or k < 0 for k in self.logit_bias)
+                or any(isinstance(v, bool) or not isinstance(v, (int, float))
+                       or not math.isfinite(v) for v in self.logit_bias.values())):
+            raise bad("logit_bias", "a dict of token id (integer >= 0) -> finite number")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "a non-empty list of token ids (integers >= 0)")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
         try:

@@ -225,6 +225,28 @@ def test_kv_cache_dtype_stores_bfloat16(llm, llama_path):
         LLM(model=llama_path, optimization_level=0, kv_cache_dtype="fp8")
 
 
+def test_logit_bias_and_allowed_token_ids(llm, hf_greedy):
+    """logit_bias steers greedy decoding (+100 on one token: only that token), as does
+    allowed_token_ids; a request in the same batch without them keeps transformers' tokens;
+    token ids outside the vocabulary are refused by name."""
+    biased = greedy(5, logit_bias={"7": 100.0})  # JSON-style string keys are accepted
+    limited = greedy(5, allowed_token_ids=[11, 12])
+    plain = greedy()
+    outs = llm.generate(PROMPTS[:3], [biased, limited, plain], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [7] * 5
+    assert set(outs[1].outputs[0].token_ids) <= {11, 12}
+    assert outs[2].outputs[0].token_ids == hf_greedy(PROMPTS[2])
+    vocab = llm.llm_engine.vocab_size
+    with pytest.raises(ValueError, match=rf"logit_bias has token ids outside the vocabulary "
+                       rf"\[0, {vocab}\): \[{vocab}\]"):
+        llm.generate(PROMPTS[0], greedy(2, logit_bias={vocab: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        greedy(2, allowed_token_ids=[])
+    with pytest.raises(ValueError, match="logit_bias must be a dict of token id"):
+        greedy(2, logit_bias={"x": 1.0})
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_prompt_logprobs_computed_in_chunks_match_transformers(llm, hf_model, tokenizer,
                                                                 monkeypatch):
     """Prompt logprobs are computed a few hundred positions at a time (a whole chunk's float32

@@ -105,3 +105,22 @@ def test_all_greedy_batches_need_no_temperatures():
     md = SamplingMetadata(temperature=None, all_greedy=False, all_random=True)
     with pytest.raises(AssertionError, match="needs temperatures"):
         Sampler()(logits, md)
+
+
+def test_logit_bias_and_allowed_tokens_steer_sampling_not_logprobs():
+    """logit_bias is added before sampling and allowed_tokens masks the rest out; the
+    logprobs returned stay the model's raw ones; rows without either are untouched."""
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.5], [5.0, 1.0, 0.0, 0.5], [5.0, 1.0, 0.0, 0.5]])
+    allowed = torch.tensor([[False, False, True, True]])
+    md = meta(3, 0.0, max_num_logprobs=0,
+              logit_bias=(torch.tensor([0, 0]), torch.tensor([2, 0]), torch.tensor([10.0, -1.0])),
+              allowed_tokens=(torch.tensor([1]), allowed))
+    out = Sampler()(logits, md)
+    assert out.sampled_token_ids.tolist() == [2, 3, 0]
+    raw = logits.log_softmax(-1)
+    assert torch.allclose(out.logprobs_tensors.logprobs[:, 0],
+                          raw[torch.arange(3), out.sampled_token_ids])
+    # Random rows never draw a masked-out token.
+    md = meta(1, 1.0, allowed_tokens=(torch.tensor([0]), allowed[:, :]))
+    draws = {int(Sampler()(logits[:1], md).sampled_token_ids[0]) for _ in range(50)}
+    assert draws <= {2, 3}

@@ -326,3 +326,21 @@ def test_max_logprobs_bounds_both_apis(client):
     with pytest.raises(openai.BadRequestError, match=r"between 0 and 30.*got 31"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=2, logprobs=True, top_logprobs=31)
+
+
+def test_logit_bias_and_allowed_token_ids(client, llm):
+    """OpenAI's logit_bias (string keys, clamped to [-100, 100]) and vLLM's allowed_token_ids
+    steer the tokens; an id outside the vocabulary is a 400."""
+    text = {t: llm.get_tokenizer().decode([t]) for t in (9, 10)}
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logprobs=0, logit_bias={"9": 500},
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].logprobs.tokens == [text[9]] * 4
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        temperature=0.8, seed=1, logprobs=True,
+        extra_body={"allowed_token_ids": [9, 10], "ignore_eos": True})
+    assert {c.token for c in chat.choices[0].logprobs.content} <= set(text.values())
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                  logit_bias={"999999": 5})

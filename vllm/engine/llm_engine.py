@@ -170,6 +170,15 @@ class LLMEngine:
                     f"{self.model_config.max_logprobs}, vocabulary {self.vocab_size}); "
                     "raise --max-logprobs, -1 for the whole vocabulary")
 
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """Token ids in logit_bias and allowed_token_ids must be in the vocabulary."""
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = sorted(t for t in ids if t >= self.vocab_size)
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, "
+                                 f"{self.vocab_size}): {bad[:5]}")
+
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -186,6 +195,7 @@ class LLMEngine:
         text, token_ids = self.process_prompt(prompt)
         params = params.clone()
         self._resolve_logprobs(params)
+        self._check_token_params(params)
         params.update_from_eos(self.eos_token_ids)
         room = self.max_model_len - len(token_ids)
         max_tokens = max(1, min(params.max_tokens or room, room))

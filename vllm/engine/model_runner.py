@@ -397,6 +397,19 @@ class ModelRunner:
                         cols.append(token)
         if rows:
             md.min_tokens_mask = (tensor(rows, torch.int64), tensor(cols, torch.int64))
+        biased = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()
+                  if t < vocab_size]
+        if biased:
+            rows, cols, values = zip(*biased)
+            md.logit_bias = (tensor(rows, torch.int64), tensor(cols, torch.int64),
+                             tensor(values, torch.float32))
+        limited = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if limited:
+            allowed = torch.zeros(len(limited), vocab_size, dtype=torch.bool, device=device)
+            for row, i in enumerate(limited):
+                ids = [t for t in params[i].allowed_token_ids if t < vocab_size]
+                allowed[row, tensor(ids, torch.int64)] = True
+            md.allowed_tokens = (tensor(limited, torch.int64), allowed)
         if any(p.needs_penalties for p in params):
             md.repetition_penalties = tensor([p.repetition_penalty for p in params],
                                              torch.float32)

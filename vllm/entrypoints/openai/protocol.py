@@ -120,6 +120,7 @@ class _SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     logit_bias: dict[str, StrictFloat] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     request_id: StrictStr | None = None
 
     def sampling_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -135,6 +136,12 @@ class _SamplingFields(OpenAIBaseModel):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
+        if self.logit_bias:
+            # OpenAI's range; vLLM clamps rather than refuses.
+            kwargs["logit_bias"] = {k: min(100.0, max(-100.0, v))
+                                    for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            kwargs["allowed_token_ids"] = self.allowed_token_ids
         return kwargs
 
 

@@ -53,8 +53,6 @@ class OpenAIServingChat(OpenAIServing):
         """A response dict, or (stream=true) an async iterator of SSE strings.
         Raises OpenAIError for bad requests before anything is streamed."""
         model = self.check_model(request.model)
-        if request.logit_bias:
-            raise OpenAIError("logit_bias is not supported", 400, "logit_bias")
         fmt = (request.response_format or {}).get("type", "text")
         if fmt != "text":
             raise OpenAIError(f"response_format type {fmt!r} is not supported", 400,

@@ -349,8 +349,6 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("suffix is not supported", 400, "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIError("best_of is not supported (use n)", 400, "best_of")
-        if request.logit_bias:
-            raise OpenAIError("logit_bias is not supported", 400, "logit_bias")
         if request.logprobs is not None and not 0 <= request.logprobs <= self.max_logprobs:
             raise OpenAIError(f"logprobs must be between 0 and {self.max_logprobs} (the "
                               f"server's --max-logprobs), got {request.logprobs}", 400,

@@ -1,9 +1,10 @@
 """Sampler: logits [N, V] -> one token per row, plus optional logprobs.
 
-Per row: min_tokens masking and penalties, then greedy rows take the argmax; the others apply
-temperature, min-p, top-k and top-p, and sample with the exponential race
-(`argmax(probs / q)`, q ~ Exp(1)), which needs no host sync. Seeded rows draw q from their own
-torch.Generator, so their tokens do not depend on what else is in the batch.
+Per row: allowed_token_ids, logit_bias, min_tokens masking and penalties, then greedy rows
+take the argmax; the others apply temperature, min-p, top-k and top-p, and sample with the
+exponential race (`argmax(probs / q)`, q ~ Exp(1)), which needs no host sync. Seeded rows
+draw q from their own torch.Generator, so their tokens do not depend on what else is in the
+batch.
 """
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ class SamplingMetadata:
     """[N, P] int64 padded with the vocab size (penalties only)."""
     output_token_ids: torch.Tensor | None = None
     """[N, O] int64 padded with the vocab size (penalties only)."""
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids, values) added to the logits."""
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows [R], mask [R, V] bool): in these rows only the masked-in tokens can be sampled."""
 
     @property
     def no_penalties(self) -> bool:
@@ -90,6 +95,12 @@ class Sampler(nn.Module):
         # Logprobs are those of the model's raw distribution (upstream's default).
         raw_logprobs = (logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None
                         else None)
+        if metadata.allowed_tokens is not None:
+            rows, allowed = metadata.allowed_tokens
+            logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+        if metadata.logit_bias is not None:
+            rows, cols, values = metadata.logit_bias
+            logits = logits.index_put((rows, cols), values, accumulate=True)
         if metadata.min_tokens_mask is not None:
             rows, cols = metadata.min_tokens_mask
             logits = logits.index_put((rows, cols), torch.tensor(float("-inf"),
