@@ -6,7 +6,18 @@ from pathlib import Path
 
 
 def _flag(name: str, default: str = "0") -> bool:
-    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+    """An on/off variable read as upstream does (an integer, nonzero = on), also taking
+    true/false, yes/no, on/off; anything else is a ValueError naming the variable."""
+    value = os.environ.get(name, "").strip().lower() or default
+    if value in ("true", "yes", "on"):
+        return True
+    if value in ("false", "no", "off"):
+        return False
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"{name}={os.environ.get(name)!r} is not an on/off value; use 1 or "
+                         "0 (also true/false, yes/no, on/off)") from None
 
 
 def _cache_root() -> str:

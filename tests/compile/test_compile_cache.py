@@ -87,6 +87,21 @@ def test_disabled_by_env_eager_and_dump(monkeypatch, tmp_path):
     assert cache_disabled_reason(config()) == "VLLM_DISABLE_COMPILE_CACHE=1"
 
 
+@pytest.mark.parametrize("value, disabled", [
+    ("2", True), ("true", True), ("On", True), ("0", False), ("no", False), ("", False)])
+def test_disable_env_read_as_upstream(monkeypatch, value, disabled):
+    """Upstream reads the variable as an integer (nonzero: off); true/false and the like are
+    taken too."""
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", value)
+    assert (cache_disabled_reason(config()) is not None) is disabled
+
+
+def test_disable_env_that_is_no_flag_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "foo")
+    with pytest.raises(ValueError, match="VLLM_DISABLE_COMPILE_CACHE='foo' is not an on/off"):
+        config()
+
+
 def test_inductor_options_from_fields_and_inductor_compile_config_wins():
     from vllm.compilation.compiler_interface import inductor_config_patches
 

@@ -142,7 +142,7 @@ def cache_disabled_reason(vllm_config: VllmConfig) -> str | None:
     from vllm import envs
 
     if envs.VLLM_DISABLE_COMPILE_CACHE:
-        return "VLLM_DISABLE_COMPILE_CACHE=1"
+        return f"VLLM_DISABLE_COMPILE_CACHE={os.environ['VLLM_DISABLE_COMPILE_CACHE'].strip()}"
     if vllm_config.compilation_config.debug_dump_path:
         return "debug_dump_path is set: everything is compiled so that the dump is complete"
     if vllm_config.compilation_config.backend != "inductor":

@@ -123,6 +123,8 @@ class VllmConfig:
         from vllm import envs
 
         cc = self.compilation_config
+        # Read now so that a value that is no on/off is a config error, not a mid-compile one.
+        _ = envs.VLLM_DISABLE_COMPILE_CACHE, envs.VLLM_TEST_FAIL_ON_RECOMPILE
         if envs.TORCH_COMPILE_DISABLE and cc.mode is None:
             self._set("compilation_config.mode", CompilationMode.NONE,
                       Provenance("env TORCH_COMPILE_DISABLE", "torch.compile disabled by env"))
