@@ -107,6 +107,21 @@ def test_compilation_config_forms_are_user_values(tiny, cc):
     assert config.provenance["compilation_config.pass_config.fuse_norm_quant"].source == "level O2"
 
 
+@pytest.mark.parametrize("cc", [0, "0", 3, "3"])
+def test_compilation_config_as_a_mode_number(tiny, cc):
+    """As upstream, compilation_config=N (Python) and -cc N (command line) set the mode only:
+    the level fills in the rest."""
+    for args in (EngineArgs(model=tiny, compilation_config=cc),
+                 from_argv("--model", tiny, "-cc", str(cc))):
+        config = args.create_engine_config()
+        assert config.compilation_config.mode == CompilationMode(int(cc))
+        assert config.provenance["compilation_config.mode"].source == "user"
+        assert config.provenance["compilation_config.pass_config.eliminate_noops"].source \
+            == "level O2"
+    with pytest.raises(ValueError, match="a CompilationConfig or a mode number, got bool"):
+        EngineArgs(model=tiny, compilation_config=True).create_engine_config()
+
+
 def test_callers_compilation_config_is_not_mutated(tiny):
     cc = CompilationConfig(backend="eager")
     data = {"pass_config": {"fuse_norm_quant": False}}

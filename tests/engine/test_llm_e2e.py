@@ -310,6 +310,12 @@ def test_kv_cache_too_small_is_a_clear_error(llama_path):
     with pytest.raises(ValueError, match="too small for one sequence"):
         LLM(model=llama_path, optimization_level="O0", max_model_len=256,
             kv_cache_memory=100_000)
+    # Upstream's keyword for the same setting.
+    with pytest.raises(ValueError, match="too small for one sequence"):
+        LLM(model=llama_path, optimization_level="O0", max_model_len=256,
+            kv_cache_memory_bytes=100_000)
+    with pytest.raises(ValueError, match="both kv_cache_memory_bytes and kv_cache_memory"):
+        LLM(model=llama_path, kv_cache_memory_bytes=1 << 20, kv_cache_memory=1 << 20)
     with pytest.raises(ValueError, match="unknown engine arguments"):
         LLM(model=llama_path, optimisation_level=0)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.config import (
     CacheConfig,
@@ -48,6 +50,31 @@ def _optimization_level(text: str) -> OptimizationLevel:
 
 def _validate_compilation_config(data: dict) -> None:
     CompilationConfig.from_dict(copy.deepcopy(data))
+
+
+_compilation_config_json = json_dict_type("--compilation-config", _validate_compilation_config)
+
+
+def _compilation_config_arg(text: str) -> dict:
+    """-cc as JSON or dotted keys; a bare integer is the mode, as upstream (-cc 3)."""
+    mode = _mode_shorthand(text)
+    return _compilation_config_json(text if mode is None else json.dumps({"mode": mode}))
+
+
+_compilation_config_arg.accepts_dotted_keys = True  # type: ignore[attr-defined]
+
+
+def _mode_shorthand(value: Any) -> int | None:
+    """The compilation mode where compilation_config is given as just an integer (3, "3")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
+
+
+# Upstream keyword spellings taken as another field's name (LLM(kv_cache_memory_bytes=...)).
+ENGINE_ARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 
 
 @dataclass
@@ -124,8 +151,7 @@ class EngineArgs:
         opt.add_argument("--enforce-eager", action="store_true",
                          help="Deprecated: the same as -O0.")
         opt.add_argument("-cc", "--compilation-config", default=d.compilation_config,
-                         type=json_dict_type("--compilation-config",
-                                             _validate_compilation_config),
+                         type=_compilation_config_arg,
                          help="CompilationConfig as JSON ('{\"mode\": 3}'), or one key at a "
                          "time: -cc.mode=3, -cc.pass_config.fuse_norm_quant=false, "
                          "-cc.custom_ops+=+rms_norm,-quant_fp8 (appends to the list).")
@@ -190,7 +216,9 @@ class EngineArgs:
         with --cudagraph-capture-sizes / --max-cudagraph-capture-size folded in.
         Raises ValueError for bad JSON, unknown keys, or a flag given twice (top level and -cc)."""
         cc = self.compilation_config
-        if isinstance(cc, str):
+        if _mode_shorthand(cc) is not None:
+            cc = {"mode": _mode_shorthand(cc)}
+        elif isinstance(cc, str):
             cc = parse_json_object(cc, "compilation_config")
         top = {name: getattr(self, name) for name in _CC_MIRRORED
                if getattr(self, name) is not None}
@@ -201,8 +229,8 @@ class EngineArgs:
             data = None
             in_cc = {name for name in top if getattr(cc, name) is not None}
         else:
-            raise ValueError("compilation_config must be a dict, a JSON string or a "
-                             f"CompilationConfig, got {type(cc).__name__}")
+            raise ValueError("compilation_config must be a dict, a JSON string, a "
+                             f"CompilationConfig or a mode number, got {type(cc).__name__}")
         if in_cc:
             name = sorted(in_cc)[0]
             raise ValueError(f"--{name.replace('_', '-')} and compilation_config.{name} "

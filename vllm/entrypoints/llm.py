@@ -22,8 +22,13 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        from vllm.engine.arg_utils import EngineArgs
+        from vllm.engine.arg_utils import ENGINE_ARG_ALIASES, EngineArgs
 
+        for alias, name in ENGINE_ARG_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise ValueError(f"LLM() got both {alias} and {name}; give one")
+                kwargs[name] = kwargs.pop(alias)
         valid = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kwargs) - valid)
         if unknown:
