@@ -140,7 +140,9 @@ def test_compilation_config_errors(tiny):
     with pytest.raises(ValueError, match="Valid modes are"):
         EngineArgs(model=tiny, compilation_config={"mode": "fast"}).create_engine_config()
     with pytest.raises(ValueError, match="compilation_config must be"):
-        EngineArgs(model=tiny, compilation_config=3).create_engine_config()
+        EngineArgs(model=tiny, compilation_config=3.0).create_engine_config()
+    with pytest.raises(ValueError, match="Valid modes are"):
+        EngineArgs(model=tiny, compilation_config=7).create_engine_config()
 
 
 @pytest.mark.parametrize("name, value", [("cudagraph_capture_sizes", [1, 2]),
