@@ -112,8 +112,9 @@ CPU_FUSION_MEASUREMENTS = {
 
 
 # O3's whole-graph compile against O2's pieces, same method (benchmarks/results/cpu_levels.md).
-CPU_O3_WHOLE_GRAPH = ("decode x1.12 / x1.06 over O2's pieces at batch 1 / 16 on the demo model, "
-                      "x1.05 / x1.02 on the Qwen2.5-0.5B shape")
+CPU_O3_WHOLE_GRAPH = ("decode x1.29 / x1.14 over O2's pieces at batch 1 / 16 on the demo model, "
+                      "x1.04 / x1.01 on the Qwen2.5-0.5B shape (both with the C++ wrapper; "
+                      "without it x1.12 / x1.06 and x1.05 / x1.02)")
 
 
 # The O3 switches against O2 on the CPU, measured on the demo model (float32, 2 cores, paired
