@@ -201,12 +201,51 @@ def test_entries_are_checksummed_and_corruption_is_detected(tmp_path, caplog):
 
 
 def test_unreadable_manifest_is_started_over(tmp_path, caplog):
+    """Its entries can no longer be verified: counted once as corrupt, warned about once, and
+    replaced at once by an empty manifest (it was warned about at every read)."""
     (tmp_path / "manifest.json").write_text("{not json")
     cache = CompileCache(str(tmp_path))
-    assert cache.lookup("a.bin", "g") is None
-    cache.store("a.bin", "g", _write(b"abc"))
-    assert cache.lookup("a.bin", "g") is not None
-    assert "unreadable" in caplog.text
+    with compilation_counter.expect(num_cache_corrupt=1):
+        assert cache.lookup("a.bin", "g") is None
+        assert cache.lookup("b.bin", "g") is None
+        cache.store("a.bin", "g", _write(b"abc"))
+        assert cache.lookup("a.bin", "g") is not None
+    assert caplog.text.count("is unreadable") == 1
+    assert list(json.loads((tmp_path / "manifest.json").read_text())["entries"]) == ["a.bin"]
+
+
+HOLD_LOCK_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from vllm.compilation.cache import CompileCache
+    with CompileCache(sys.argv[1]).lock():
+        print("locked", flush=True)
+        time.sleep(float(sys.argv[2]))
+""")
+
+
+def test_waiting_for_the_lock_is_logged_with_the_holder(tmp_path, caplog, monkeypatch):
+    """A start that waits for another process's compile says so at once, naming its pid, and
+    again every LOCK_WAIT_LOG_SECONDS (a stopped holder blocked starts silently)."""
+    import logging
+
+    from vllm.compilation import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "LOCK_WAIT_LOG_SECONDS", 0.3)
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD_LOCK_SCRIPT)
+    holder = subprocess.Popen([sys.executable, str(script), str(tmp_path / "c"), "1.5"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        cache = CompileCache(str(tmp_path / "c"))
+        with caplog.at_level(logging.INFO, logger="vllm"), cache.lock():
+            pass
+    finally:
+        holder.wait(timeout=60)
+    assert f"waiting for process {holder.pid}, which holds" in caplog.text
+    assert f"still waiting for process {holder.pid}" in caplog.text
+    assert "VLLM_DISABLE_COMPILE_CACHE=1" in caplog.text
+    assert (tmp_path / "c" / ".lock").read_text() == str(os.getpid())
 
 
 LOCK_SCRIPT = textwrap.dedent("""

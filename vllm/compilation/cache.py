@@ -45,6 +45,63 @@ MANIFEST = "manifest.json"
 _FORMAT_VERSION = 1
 
 
+LOCK_WAIT_LOG_SECONDS = 60.0
+"""While another process holds a cache entry's lock (compiling the same piece), a warning every
+this many seconds says who and how to go on without it."""
+
+
+def _acquire_file_lock(path: str) -> int:
+    """An exclusive flock on `path` (the holder's pid written in it); the fd. A wait is
+    logged at once and then every LOCK_WAIT_LOG_SECONDS, naming the holder: the lock dies with
+    its process, but a stopped or hung one would otherwise block the start silently."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _wait_for_lock(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _wait_for_lock(fd: int, path: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    holder = _lock_holder(path)
+    logger.info("compile cache: waiting for %s, which holds %s (compiling the same entry; "
+                "this start then loads its result)", holder, path)
+    last_log = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.05)
+        if time.monotonic() - last_log >= LOCK_WAIT_LOG_SECONDS:
+            last_log = time.monotonic()
+            logger.warning("compile cache: still waiting for %s, which holds %s; if it is "
+                           "hung, stop it, or start with VLLM_DISABLE_COMPILE_CACHE=1", holder,
+                           path)
+
+
+def _lock_holder(path: str) -> str:
+    try:
+        with open(path) as f:
+            pid = f.read().strip()
+    except OSError:
+        pid = ""
+    return f"process {pid}" if pid.isdigit() else "another process"
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+
+
 def _sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -197,9 +254,7 @@ class CompileCache:
         """Exclusive across processes (fcntl) and threads; re-entrant in one process."""
         with self._thread_lock:
             if self._lock_depth == 0:
-                fd = os.open(os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                self._lock_fd = fd
+                self._lock_fd = _acquire_file_lock(os.path.join(self.directory, ".lock"))
             self._lock_depth += 1
             try:
                 yield
@@ -222,9 +277,15 @@ class CompileCache:
         except FileNotFoundError:
             return {"factors": self.factors, "entries": {}}
         except (OSError, ValueError) as e:
-            logger.warning("compile cache: manifest %s is unreadable (%s); starting it over",
-                           path, e)
-            return {"factors": self.factors, "entries": {}}
+            # Its entries can no longer be verified: counted as corrupt, and replaced by an
+            # empty manifest at once so that the next read does not warn again.
+            logger.warning("compile cache: manifest %s is unreadable (%s); starting it over "
+                           "(its entries are recompiled)", path, e)
+            compilation_counter.num_cache_corrupt += 1
+            fresh = {"factors": self.factors, "entries": {}}
+            with contextlib.suppress(OSError), self.lock():
+                self._write_atomic(MANIFEST, lambda tmp: _write_json(tmp, fresh))
+            return fresh
 
     def _write_atomic(self, name: str, write: Callable[[str], None]) -> str:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
@@ -248,13 +309,7 @@ class CompileCache:
                 manifest["entries"].pop(name, None)
             else:
                 manifest["entries"][name] = entry
-            text = json.dumps(manifest, indent=1, sort_keys=True)
-
-            def write(tmp: str) -> None:
-                with open(tmp, "w") as f:
-                    f.write(text)
-
-            self._write_atomic(MANIFEST, write)
+            self._write_atomic(MANIFEST, lambda tmp: _write_json(tmp, manifest))
 
     # ---- entries ---------------------------------------------------------------------
     def path(self, name: str) -> str:

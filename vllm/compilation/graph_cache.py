@@ -281,7 +281,9 @@ def load_graph(backend: VllmBackend, model: Any, signature: Any, forward: Callab
                     "compile cache in %.2f s (Dynamo not run)", type(model).__name__,
                     len(backend.piece_backends), seconds)
         return runner
-    timer.record("graph loading", time.perf_counter() - start, uncounted=True,
+    # The pieces tried before the attempt failed are their own "inductor compilation" rows.
+    timer.record("graph loading", time.perf_counter() - start
+                 - (timer.seconds("inductor compilation") - loads_before), uncounted=True,
                  result="not used")
     logger.info("compile cache: traced graph not used (%s); tracing with Dynamo", reason)
     return None
@@ -372,7 +374,7 @@ def _load_piece(backend: VllmBackend, piece_index: int, compile_range: Range, ke
     name = backend.piece_entry(piece_index, compile_range)
     with cache.lock(), backend.timer.phase("inductor compilation", piece=piece_index,
                                            range=tag, backend="inductor",
-                                           cache="hit") as details:
+                                           cache="load failed") as details:
         path = cache.lookup(name, key)
         if path is None:
             details["cache"] = "missing"
