@@ -153,6 +153,25 @@ def test_yarn_rope_scaling(checkpoints, arch, scaling):
     run_scenario(path, 4)
 
 
+@pytest.mark.parametrize("scaling, expected", [
+    (None, 512),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, 16384),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 512),
+    ({"rope_type": "linear", "factor": 2.0}, 1024),
+    ({"rope_type": "llama3", **{k: v for k, v in LLAMA3_ROPE_SCALING.items()
+                                if k != "rope_type"}}, 512),
+])
+def test_default_max_model_len_follows_the_rope_scaling(scaling, expected):
+    """As vLLM derives it (yarn: pre-training length x factor; linear: x factor), but never
+    below max_position_embeddings, which transformers runs to."""
+    from transformers import LlamaConfig
+
+    from vllm.model_executor.layers.rotary_embedding import rope_max_position
+
+    config = LlamaConfig(max_position_embeddings=512, rope_scaling=scaling)
+    assert rope_max_position(config) == expected
+
+
 def test_unsupported_rope_type_is_a_clear_error(checkpoints):
     path = checkpoints("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported; "

@@ -186,14 +186,14 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def rope_max_position(hf_config: Any) -> int:
     """How many positions the model's RoPE is meant for: max_position_embeddings, times the
     factor for "linear" scaling, and the pre-training length times the factor for "yarn"
-    (as vLLM derives the default max_model_len)."""
+    (as vLLM derives the default max_model_len), never less than max_position_embeddings."""
     limit = int(hf_config.max_position_embeddings)
     _, scaling, _ = rope_config(hf_config)
     rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     factor = (scaling or {}).get("factor")
     if rope_type == "yarn" and factor:
         original = scaling.get("original_max_position_embeddings") or limit
-        return int(original * factor)
+        return max(limit, int(original * factor))
     if rope_type == "linear" and factor:
         return int(limit * factor)
     return limit
