@@ -142,6 +142,12 @@ class ModelConfig:
     def get_vocab_size(self) -> int:
         return int(self.text_config.vocab_size)
 
+    def get_max_logprobs(self) -> int:
+        """The most logprobs a request may ask for: max_logprobs, bounded by the vocabulary
+        (-1: the whole vocabulary)."""
+        vocab = self.get_vocab_size()
+        return vocab if self.max_logprobs == -1 else min(self.max_logprobs, vocab)
+
     def get_num_experts(self) -> int:
         text = self.text_config
         for key in _EXPERT_KEYS:

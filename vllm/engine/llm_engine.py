@@ -157,8 +157,7 @@ class LLMEngine:
     def _resolve_logprobs(self, params: SamplingParams) -> None:
         """-1 (the whole vocabulary) becomes the vocabulary size; more than max_logprobs (or
         the vocabulary) is a ValueError naming both."""
-        limit = self.model_config.max_logprobs
-        limit = self.vocab_size if limit == -1 else min(limit, self.vocab_size)
+        limit = self.model_config.get_max_logprobs()
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked == -1:

@@ -79,7 +79,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = _vocab_size(tokenizer, engine)
-        self.max_logprobs = _max_logprobs(engine, self.vocab_size)
+        self.max_logprobs = _max_logprobs(engine)
         self.default_sampling = _generation_defaults(engine)
         self._token_text: dict[int, str] = {}
 
@@ -317,14 +317,11 @@ def _end_offset(logprobs: dict, start: int) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
-def _max_logprobs(engine: Any, vocab_size: int | None) -> int:
-    """The engine's max_logprobs (--max-logprobs; default 20), -1 meaning the vocabulary."""
-    limit = getattr(getattr(engine, "model_config", None), "max_logprobs", 20)
-    if not isinstance(limit, int):
-        limit = 20
-    if vocab_size is not None and (limit == -1 or limit > vocab_size):
-        return vocab_size
-    return limit
+def _max_logprobs(engine: Any) -> int:
+    """The engine's bound on logprobs per token (--max-logprobs, within the vocabulary);
+    upstream's default 20 for an engine that does not say."""
+    getter = getattr(getattr(engine, "model_config", None), "get_max_logprobs", None)
+    return int(getter()) if callable(getter) else 20
 
 
 def _vocab_size(tokenizer: Any, engine: Any) -> int | None:
