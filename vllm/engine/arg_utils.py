@@ -216,8 +216,9 @@ class EngineArgs:
         with --cudagraph-capture-sizes / --max-cudagraph-capture-size folded in.
         Raises ValueError for bad JSON, unknown keys, or a flag given twice (top level and -cc)."""
         cc = self.compilation_config
-        if _mode_shorthand(cc) is not None:
-            cc = {"mode": _mode_shorthand(cc)}
+        mode = _mode_shorthand(cc)
+        if mode is not None:
+            cc = {"mode": mode}
         elif isinstance(cc, str):
             cc = parse_json_object(cc, "compilation_config")
         top = {name: getattr(self, name) for name in _CC_MIRRORED
