@@ -212,7 +212,20 @@ def test_sub_configs(tiny):
     assert config.parallel_config.distributed_executor_backend == "uni"
 
 
+def test_several_served_model_names(tiny):
+    """`--served-model-name a b` (nargs=+ as upstream): all accepted, the first reported."""
+    config = from_argv("--model", tiny, "--served-model-name", "main",
+                       "alias").create_engine_config()
+    assert config.model_config.served_model_names == ["main", "alias"]
+    one = from_argv("--model", tiny, "--served-model-name", "m").create_engine_config()
+    assert one.model_config.served_model_names == ["m"]
+    default = EngineArgs(model=tiny).create_engine_config().model_config
+    assert default.served_model_names == [tiny]
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    ({"served_model_name": []}, "served_model_name"),
+    ({"served_model_name": ["a", ""]}, "served_model_name"),
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"block_size": 0}, "block_size"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"), ({"max_model_len": -1}, "max_model_len"),
     ({"dtype": "int3"}, "dtype"), ({"model": "/nonexistent/model"}, "not a local folder"),

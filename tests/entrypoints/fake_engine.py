@@ -39,7 +39,13 @@ class FakeTokenizer:
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
                             add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **_: Any) -> str:
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None, **_: Any) -> str:
+        if chat_template is not None:  # rendered with Jinja, as transformers does
+            import jinja2
+
+            return jinja2.Environment().from_string(chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt)
         for m in messages:
             if m["role"] == "tool":
                 raise ValueError("tool messages are not supported by this template")

@@ -16,6 +16,7 @@ from server_utils import serve_in_thread
 from vllm.engine.async_llm import AsyncLLM
 from vllm.entrypoints.openai.api_server import build_app
 from vllm.entrypoints.openai.metrics import metric_value
+from vllm.entrypoints.openai.serving_chat import load_chat_template
 
 MODEL = "fake"
 
@@ -405,3 +406,123 @@ def test_tokenize_and_detokenize(url, fake):
     resp = post(url, "/detokenize", {"tokens": [10**9]})
     assert resp.status_code == 400 and "outside the vocabulary" in resp.json()["error"]["message"]
     assert post(url, "/tokenize", {"model": "other", "prompt": "a"}).status_code == 404
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"tools": TOOLS}, '"auto"'),  # upstream's default with tools, needs a tool-call parser
+    ({"tools": TOOLS, "tool_choice": "auto"}, '"auto"'),
+    ({"tools": TOOLS, "tool_choice": "required"}, "structured outputs"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function",
+                                      "function": {"name": "get_weather"}}},
+     "structured outputs"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "'sometimes'"),
+    ({"tool_choice": "required"}, "needs tools"),
+])
+def test_tool_calls_are_refused_not_ignored(url, extra, words):
+    """No tool-call parser and no structured outputs: a request that expects a tool call is
+    a 400 naming tool_choice, never a 200 with plain text."""
+    body = {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 2, **extra}
+    resp = post(url, "/v1/chat/completions", body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "tool_choice" and words in err["message"]
+
+
+def test_tool_choice_none_shows_tools_without_calls(url):
+    resp = post(url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 2,
+        "tools": TOOLS, "tool_choice": "none"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "a"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
+])
+def test_stream_options_need_stream(url, path, body):
+    resp = post(url, path, {**body, "max_tokens": 2, "stream_options": {"include_usage": True}})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "stream_options"
+
+
+def test_chat_echo_starts_with_the_continued_message(client):
+    """vLLM's `echo`: continuing an assistant message, the reply starts with its text; the
+    reply's role is the last message's when there is no generation prompt."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ab"}]
+    extra = {"echo": True, "add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0,
+        extra_body={**extra, "echo": False}).choices[0].message
+    echoed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                            temperature=0, extra_body=extra).choices[0].message
+    assert echoed.role == "assistant" and echoed.content == "ab" + plain.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                                 temperature=0, stream=True,
+                                                 extra_body=extra))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.content
+    # The last message is the user's: nothing to echo under a generation prompt.
+    user_only = client.chat.completions.create(
+        model=MODEL, messages=messages[:1], max_tokens=3, temperature=0,
+        extra_body={"echo": True}).choices[0].message
+    assert not user_only.content.startswith("x")
+
+
+JINJA_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                  "{% if add_generation_prompt %}<bot>{% endif %}")
+
+
+def test_server_chat_template_and_request_template(engine):
+    """--chat-template replaces the tokenizer's template; a request's own chat_template is
+    refused unless the server trusts request templates."""
+    messages = [{"role": "user", "content": "hi"}]
+    with serve_in_thread(build_app(engine, [MODEL], chat_template=JINJA_TEMPLATE)) as base:
+        tokens = post(base, "/tokenize", {"messages": messages}).json()["tokens"]
+        assert post(base, "/detokenize", {"tokens": tokens}).json()["prompt"] == \
+            "<user>hi<bot>"
+        resp = post(base, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                                   "chat_template": "{{ 'x' }}"})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in resp.json()["error"]["message"]
+    with serve_in_thread(build_app(engine, [MODEL], trust_request_chat_template=True)) as base:
+        body = post(base, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                                   "chat_template": "{{ 'zz' }}"}).json()
+        assert body["usage"]["prompt_tokens"] == 2  # "zz", no BOS: the template's own text
+
+
+def test_several_served_names(engine):
+    """Every --served-model-name is listed and accepted; a response names the one asked for."""
+    with serve_in_thread(build_app(engine, ["main", "alias"])) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["main", "alias"]
+        out = client.completions.create(model="alias", prompt="a", max_tokens=2)
+        assert out.model == "alias"
+        assert client.completions.create(prompt="a", max_tokens=2, model="main").model == "main"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="fake", prompt="a", max_tokens=2)
+
+
+def test_load_chat_template(tmp_path, capsys):
+    """--chat-template: a file's path or the template text; a bad path or bad Jinja is a
+    one-line error at start-up naming the value."""
+    path = tmp_path / "t.jinja"
+    path.write_text(JINJA_TEMPLATE)
+    assert load_chat_template(str(path)) == JINJA_TEMPLATE
+    assert load_chat_template(JINJA_TEMPLATE) == JINJA_TEMPLATE
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="missing.jinja.*looks like a file path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        load_chat_template("{% for m in messages %}")
+    # `vllm serve --chat-template` refuses a bad value before the engine starts.
+    from vllm.entrypoints.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "demo", "--chat-template", str(tmp_path / "missing.jinja")])
+    assert info.value.code == 2
+    assert "--chat-template" in capsys.readouterr().err

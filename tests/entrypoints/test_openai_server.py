@@ -21,6 +21,7 @@ from vllm.entrypoints.openai.metrics import metric_value
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
+ALIAS = "tiny-alias"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -30,8 +31,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 def server(llama_path, tmp_path_factory):
     srv = RemoteServer("vllm.entrypoints.cli.main", [
         "serve", llama_path, "-O0", "--kv-cache-memory", "1MiB", "--max-model-len", "512",
-        "--served-model-name", MODEL, "--api-key", KEY, "--disable-uvicorn-access-log",
-        "--max-logprobs", "30"],
+        "--served-model-name", MODEL, ALIAS, "--api-key", KEY, "--disable-uvicorn-access-log",
+        "--max-logprobs", "30", "--trust-request-chat-template"],
         log_dir=str(tmp_path_factory.mktemp("logs")))
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -78,8 +79,10 @@ def test_startup_log_shows_level_and_phases(server):
 
 def test_models(client):
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == [MODEL, ALIAS]
     assert models[0].model_extra["max_model_len"] == 512
+    out = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=2)
+    assert out.model == ALIAS
 
 
 def test_greedy_completion_equals_llm_generate(client, llm):
@@ -113,6 +116,20 @@ def test_chat_and_chat_stream(client, llm):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_request_chat_template_is_rendered_with_jinja(client, llm):
+    """The server trusts request templates here (--trust-request-chat-template): the prompt is
+    the request template's rendering, tokenized as the chat path does."""
+    template = ("{% for m in messages %}### {{ m['role'] | upper }}: {{ m['content'] }}\n"
+                "{% endfor %}{% if add_generation_prompt %}### ASSISTANT:{% endif %}")
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                         temperature=0,
+                                         extra_body={"chat_template": template})
+    tok = llm.get_tokenizer()
+    expected = tok.encode("### USER: Hello there\n### ASSISTANT:", add_special_tokens=False)
+    assert out.usage.prompt_tokens == len(expected)
 
 
 def test_n_and_seed(client):

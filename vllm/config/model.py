@@ -49,7 +49,8 @@ class ModelConfig:
     max_model_len: int | None = None
     """Prompt + output tokens per sequence (default: the model's max_position_embeddings)."""
     seed: int = 0
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
+    """Name(s) the API answers to (default: `model`); the first is the one reported."""
     trust_remote_code: bool = False
     enforce_eager: bool = False
     """Deprecated: the same as -O0."""
@@ -84,10 +85,20 @@ class ModelConfig:
                 f"max_position_embeddings ({limit})")
         if self.served_model_name is None:
             self.served_model_name = self.model
+        names = self.served_model_names
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"served_model_name must be a non-empty name or a non-empty list "
+                             f"of names, got {self.served_model_name!r}")
         if (isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int)
                 or self.max_logprobs < -1):
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole "
                              f"vocabulary), got {self.max_logprobs!r}")
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every name the API accepts for this model; the first is the one it reports."""
+        name = self.served_model_name
+        return [name] if isinstance(name, str) else list(name or [])
 
     # ---- facts about the architecture -------------------------------------------------
     @property

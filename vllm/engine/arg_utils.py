@@ -86,7 +86,7 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
     load_format: str = "auto"
     enforce_eager: bool = False
@@ -129,8 +129,10 @@ class EngineArgs:
                            help="Prompt + output tokens per sequence (e.g. 2048 or 2k); "
                            "default: the model's max_position_embeddings.")
         model.add_argument("--seed", type=int, default=d.seed, help="Random seed.")
-        model.add_argument("--served-model-name", type=str, default=d.served_model_name,
-                           help="Model name in the API (default: --model).")
+        model.add_argument("--served-model-name", type=str, nargs="+",
+                           default=d.served_model_name,
+                           help="Model name(s) the API accepts; the first is the one "
+                           "responses report (default: --model).")
         model.add_argument("--trust-remote-code", action="store_true",
                            help="Allow the model folder's own Python code.")
         model.add_argument("--max-logprobs", type=int, default=d.max_logprobs,

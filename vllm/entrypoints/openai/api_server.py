@@ -38,7 +38,7 @@ from vllm.entrypoints.openai.protocol import (
     error_body,
     parse_request,
 )
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from vllm.entrypoints.openai.serving_completion import ClientDisconnected, OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger
@@ -53,7 +53,9 @@ class ServerState:
     """What the routes share."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
-                 api_key: str | None, metrics: ServerMetrics | None) -> None:
+                 api_key: str | None, metrics: ServerMetrics | None,
+                 chat_template: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.api_key = api_key
@@ -70,7 +72,8 @@ class ServerState:
         self.completion = OpenAIServingCompletion(engine, self.served_model_names,
                                                   self.max_model_len, tokenizer)
         self.chat = OpenAIServingChat(engine, self.served_model_names, self.max_model_len,
-                                      tokenizer)
+                                      tokenizer, chat_template=chat_template,
+                                      trust_request_chat_template=trust_request_chat_template)
         self.tokenization = OpenAIServingTokenization(self.chat)
 
 
@@ -119,14 +122,17 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
 
 
 def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str | None = None,
-              metrics: ServerMetrics | None = None) -> Any:
-    """The FastAPI app over a running `AsyncLLM` (its state is `app.state.server`)."""
+              metrics: ServerMetrics | None = None, chat_template: str | None = None,
+              trust_request_chat_template: bool = False) -> Any:
+    """The FastAPI app over a running `AsyncLLM` (its state is `app.state.server`).
+    `chat_template` is the template text (see `load_chat_template`)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    state = ServerState(engine, served_model_names, api_key, metrics)
+    state = ServerState(engine, served_model_names, api_key, metrics, chat_template,
+                        trust_request_chat_template)
     app = FastAPI(title="vLLM-compatible OpenAI API", version=__version__,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -316,10 +322,13 @@ def run_server(args: argparse.Namespace) -> int:
     from vllm import envs
     from vllm.engine.arg_utils import EngineArgs
 
-    served = args.served_model_name or args.model
+    names = args.served_model_name or [args.model]
+    names = [names] if isinstance(names, str) else list(names)
+    served = names[0]
     api_key = args.api_key or envs.VLLM_API_KEY
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    chat_template = load_chat_template(args.chat_template)
     logger.info("vLLM-compatible API server %s; model %s", __version__, args.model)
     sock = bind_socket(args.host, args.port)
     metrics = ServerMetrics(served)
@@ -331,7 +340,9 @@ def run_server(args: argparse.Namespace) -> int:
         raise
     try:
         # (the engine logged its start-up phase table when it became ready)
-        app = build_app(engine, [served], api_key=api_key, metrics=metrics)
+        app = build_app(engine, names, api_key=api_key, metrics=metrics,
+                        chat_template=chat_template,
+                        trust_request_chat_template=args.trust_request_chat_template)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,

@@ -123,6 +123,12 @@ class _SamplingFields(OpenAIBaseModel):
     allowed_token_ids: list[StrictInt] | None = None
     request_id: StrictStr | None = None
 
+    def check_stream_options(self) -> None:
+        """As upstream: stream_options only go with stream=true (400 otherwise)."""
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options can only be given when stream is true", 400,
+                              "stream_options")
+
     def sampling_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """SamplingParams keyword arguments: the fields the client set, else `defaults` (the
         model's generation_config values), else SamplingParams' own defaults."""
@@ -172,6 +178,7 @@ class _ChatTemplateFields(OpenAIBaseModel):
 
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
@@ -185,6 +192,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    echo: StrictBool = False
+    """vLLM's: start the reply with the last message's content when that message has the
+    reply's role (continuing an assistant message)."""
 
     def output_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -21,9 +21,59 @@ from vllm.entrypoints.openai.serving_completion import (
 )
 from vllm.outputs import RequestOutput
 
+# Characters that mark a --chat-template value as a template rather than a file path.
+_TEMPLATE_MARKS = ("{", "}", "\n")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's path (its text is the template) or the template itself.
+    Raises ValueError for a value that looks like a path but cannot be read."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    except OSError as exc:
+        if not any(mark in value for mark in _TEMPLATE_MARKS):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it "
+                             f"cannot be read ({exc.strerror or exc}); give a readable Jinja "
+                             f"file or the template text itself") from None
+        template = value
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {exc.message} "
+                         f"(line {exc.lineno})") from None
+    return template
+
 
 class OpenAIServingChat(OpenAIServing):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. `chat_template` (the server's --chat-template) replaces the
+    tokenizer's; a request's own `chat_template` is used only when the server trusts it."""
+
+    def __init__(self, *args: Any, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
+
+    def _template(self, request: Any) -> str | None:
+        """The template to render `request` with (None: the tokenizer's own)."""
+        if request.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise OpenAIError(
+                    "the request carries a chat_template, but the server was not started "
+                    "with --trust-request-chat-template; the request was refused", 400,
+                    "chat_template")
+            return request.chat_template
+        if self.chat_template is not None:
+            return self.chat_template
+        if getattr(self.tokenizer, "chat_template", "unset") is None:
+            raise OpenAIError("this model's tokenizer has no chat template; start the server "
+                              "with --chat-template, or use /v1/completions", 400, "messages")
+        return None
 
     def render(self, request: ChatCompletionRequest) -> list[int]:
         """The prompt token ids for the conversation; 400 naming `messages` if the chat
@@ -32,15 +82,14 @@ class OpenAIServingChat(OpenAIServing):
         if request.continue_final_message and request.add_generation_prompt:
             raise OpenAIError("continue_final_message and add_generation_prompt cannot both "
                               "be true", 400, "continue_final_message")
-        if getattr(self.tokenizer, "chat_template", "unset") is None:
-            raise OpenAIError("this model's tokenizer has no chat template; use "
-                              "/v1/completions", 400, "messages")
+        template = self._template(request)
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
         if request.tools:
             kwargs["tools"] = request.tools
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                messages, chat_template=template, tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, **kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's input
             raise OpenAIError(f"messages could not be rendered with the chat template: {exc}",
@@ -63,6 +112,8 @@ class OpenAIServingChat(OpenAIServing):
                               f"server's --max-logprobs), got {top}", 400, "top_logprobs")
         if top and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+        request.check_stream_options()
+        check_tool_choice(request)
         prompt = self.render(request)
         if not prompt:
             raise OpenAIError("messages rendered to an empty prompt", 400, "messages")
@@ -75,16 +126,20 @@ class OpenAIServingChat(OpenAIServing):
                                       max_tokens, num_logprobs)
         base_id = random_id("chatcmpl")
         created = int(time.time())
+        role, echo = reply_role_and_echo(request)
         streams = await self.start(base_id, [prompt], params)
         if request.stream:
             return ClosingStream(
-                self._stream(request, streams, len(prompt), base_id, created, model),
+                self._stream(request, streams, len(prompt), base_id, created, model, role,
+                             echo),
                 streams, self)
         finals = await self.collect(streams, raw_request)
-        return self._response(request, finals[0], len(prompt), base_id, created, model)
+        return self._response(request, finals[0], len(prompt), base_id, created, model, role,
+                              echo)
 
     def _response(self, request: ChatCompletionRequest, final: RequestOutput,
-                  prompt_tokens: int, base_id: str, created: int, model: str) -> dict:
+                  prompt_tokens: int, base_id: str, created: int, model: str, role: str,
+                  echo: str) -> dict:
         choices = []
         completion_tokens = 0
         for c in final.outputs:
@@ -94,7 +149,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs,
                                               request.top_logprobs or 0)
             choices.append({"index": c.index,
-                            "message": {"role": "assistant", "content": c.text},
+                            "message": {"role": role, "content": echo + c.text},
                             "logprobs": logprobs, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
         choices.sort(key=lambda ch: ch["index"])
@@ -104,8 +159,8 @@ class OpenAIServingChat(OpenAIServing):
                           "total_tokens": prompt_tokens + completion_tokens}}
 
     async def _stream(self, request: ChatCompletionRequest, streams: list[RequestStream],
-                      prompt_tokens: int, base_id: str, created: int,
-                      model: str) -> AsyncIterator[str]:
+                      prompt_tokens: int, base_id: str, created: int, model: str,
+                      role: str, echo: str) -> AsyncIterator[str]:
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -128,8 +183,11 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # One choice per chunk, as vLLM streams (clients read `chunk.choices[0]`).
             for i in range(request.n):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                yield chunk([{"index": i, "delta": {"role": role, "content": ""},
                               "logprobs": None, "finish_reason": None}])
+                if echo:
+                    yield chunk([{"index": i, "delta": {"content": echo}, "logprobs": None,
+                                  "finish_reason": None}])
             async for _, output in self.merged(streams):
                 choices = []
                 for c in output.outputs:
@@ -163,3 +221,40 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             self.abort_unfinished(streams)
         yield sse("[DONE]")
+
+
+_TOOL_CHOICES = ("none", "auto", "required")
+
+
+def check_tool_choice(request: ChatCompletionRequest) -> None:
+    """This server renders `tools` into the prompt but has no tool-call parser and no
+    structured outputs, so only tool_choice "none" can be honoured (it is the default without
+    tools; with tools the default is "auto", as upstream). 400 naming the choice otherwise."""
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if request.tools else "none"
+    if isinstance(choice, str) and choice not in _TOOL_CHOICES:
+        raise OpenAIError(f"tool_choice must be one of {', '.join(_TOOL_CHOICES)} or "
+                          f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                          f"got {choice!r}", 400, "tool_choice")
+    if choice == "none":
+        return
+    if not request.tools:
+        raise OpenAIError(f"tool_choice {choice!r} needs tools", 400, "tool_choice")
+    if choice == "auto":
+        raise OpenAIError(
+            "tool_choice \"auto\" (the default when tools are given) needs a tool-call "
+            "parser, which this server does not have; send tool_choice \"none\" to show the "
+            "tools to the model without tool calls", 400, "tool_choice")
+    raise OpenAIError(f"tool_choice {choice!r} forces a tool call, which needs structured "
+                      f"outputs; this server does not support them", 400, "tool_choice")
+
+
+def reply_role_and_echo(request: ChatCompletionRequest) -> tuple[str, str]:
+    """The reply's role (as upstream: "assistant" after a generation prompt, else the last
+    message's role) and, with echo=true, the text it starts with: the last message's content
+    when that message has the reply's role."""
+    last = normalize_messages(request.messages[-1:])[0]
+    role = "assistant" if request.add_generation_prompt else last["role"]
+    echo = last["content"] if request.echo and last["role"] == role else ""
+    return role, echo
