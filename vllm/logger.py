@@ -9,21 +9,34 @@ from functools import lru_cache
 _ROOT = "vllm"
 _FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 _configured = False
+_handler: logging.Handler | None = None
+
+
+def _formatter(prefix: str = "") -> logging.Formatter:
+    return logging.Formatter(prefix + _FORMAT, datefmt="%m-%d %H:%M:%S")
 
 
 def _configure_root() -> None:
-    global _configured
+    global _configured, _handler
     if _configured:
         return
     _configured = True
     root = logging.getLogger(_ROOT)
     if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
         return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
-    root.addHandler(handler)
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(_formatter())
+    root.addHandler(_handler)
     root.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     root.propagate = True
+
+
+def set_process_prefix(prefix: str) -> None:
+    """Start every line this process logs with `prefix`, e.g. "(TP rank=1 pid=42) ", so that
+    the lines of worker processes can be told apart from each other and from rank 0's."""
+    _configure_root()
+    if _handler is not None:
+        _handler.setFormatter(_formatter(prefix))
 
 
 class VllmLogger(logging.LoggerAdapter):

@@ -223,6 +223,28 @@ def test_several_served_model_names(tiny):
     assert default.served_model_names == [tiny]
 
 
+@pytest.mark.parametrize("shape, tp, match", [
+    ({}, 3, r"attention heads \(4\) must be divisible by tensor_parallel_size \(3\)"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 4, "hidden_size": 96}, 3,
+     r"KV heads \(4\) and tensor_parallel_size \(3\)"),
+    ({"intermediate_size": 130}, 4, r"intermediate_size \(130\)"),
+])
+def test_tp_size_must_split_the_model(tmp_path, shape, tp, match):
+    """Checked when the config is resolved, before any worker process starts, naming the
+    dimension; fewer KV heads than ranks is fine (they are replicated)."""
+    from transformers import LlamaConfig
+
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                architectures=["LlamaForCausalLM"])
+    LlamaConfig(**{**base, **shape}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=str(tmp_path), tensor_parallel_size=tp).create_engine_config()
+    LlamaConfig(**base).save_pretrained(tmp_path)
+    config = EngineArgs(model=str(tmp_path), tensor_parallel_size=4).create_engine_config()
+    assert config.parallel_config.tensor_parallel_size == 4
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"served_model_name": []}, "served_model_name"),
     ({"served_model_name": ["a", ""]}, "served_model_name"),

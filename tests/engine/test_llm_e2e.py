@@ -321,8 +321,9 @@ def test_kv_cache_too_small_is_a_clear_error(llama_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_transformers(llama_path, hf_greedy):
-    """Two ranks (gloo on the CPU): rank 0 in this process, rank 1 spawned."""
+def test_tensor_parallel_2_matches_transformers(llama_path, hf_greedy, capfd):
+    """Two ranks (gloo on the CPU): rank 0 in this process, rank 1 spawned; the worker's log
+    lines name its rank."""
     llm = LLM(model=llama_path, optimization_level=0, max_model_len=256,
               tensor_parallel_size=2, max_num_batched_tokens=16)
     try:
@@ -336,6 +337,9 @@ def test_tensor_parallel_2_matches_transformers(llama_path, hf_greedy):
     finally:
         llm.llm_engine.shutdown()
     assert not any(p.is_alive() for p in llm.llm_engine.executor._procs)
+    worker_lines = [line for line in capfd.readouterr().err.splitlines()
+                    if line.startswith("(TP rank=1 pid=")]
+    assert worker_lines and any("INFO" in line for line in worker_lines)
 
 
 def test_dummy_weights(llama_path):

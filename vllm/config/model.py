@@ -153,6 +153,28 @@ class ModelConfig:
     def get_vocab_size(self) -> int:
         return int(self.text_config.vocab_size)
 
+    def verify_with_parallel_config(self, tensor_parallel_size: int) -> None:
+        """The model's shapes must split over the tensor-parallel ranks (checked before any
+        worker starts). Raises ValueError naming the dimension and both numbers."""
+        tp = tensor_parallel_size
+        if tp == 1:
+            return
+        heads = self.get_num_attention_heads()
+        if heads % tp:
+            raise ValueError(f"the number of attention heads ({heads}) must be divisible by "
+                             f"tensor_parallel_size ({tp})")
+        kv_heads = self.get_num_kv_heads()
+        if (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+            raise ValueError(f"the number of KV heads ({kv_heads}) and tensor_parallel_size "
+                             f"({tp}) must divide one another (fewer KV heads than ranks are "
+                             f"replicated)")
+        text = self.text_config
+        for key in ("intermediate_size", "moe_intermediate_size"):
+            size = getattr(text, key, None)
+            if isinstance(size, int) and size % tp:
+                raise ValueError(f"the MLP size {key} ({size}) must be divisible by "
+                                 f"tensor_parallel_size ({tp})")
+
     def get_max_logprobs(self) -> int:
         """The most logprobs a request may ask for: max_logprobs, bounded by the vocabulary
         (-1: the whole vocabulary)."""

@@ -72,6 +72,9 @@ class VllmConfig:
         from vllm.platforms import get_current_platform
 
         self.platform = get_current_platform()
+        if self.model_config is not None:
+            self.model_config.verify_with_parallel_config(
+                self.parallel_config.tensor_parallel_size)
         if isinstance(self.compilation_config, dict):
             self.compilation_config = CompilationConfig.from_dict(self.compilation_config)
         self._resolve_level()

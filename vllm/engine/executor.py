@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 import traceback
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from vllm.engine.worker import GiB, Worker
-from vllm.logger import init_logger
+from vllm.logger import init_logger, set_process_prefix
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -199,6 +200,7 @@ def _stop_workers(procs: list[Any], conns: list[Any]) -> None:
 
 def _worker_main(vllm_config: VllmConfig, rank: int, init_method: str, conn: Any) -> None:
     """A tensor-parallel rank > 0: run Worker methods as rank 0 asks, answer each call."""
+    set_process_prefix(f"(TP rank={rank} pid={os.getpid()}) ")
     conn.send(("started", None))
     worker = Worker(vllm_config, rank=rank, local_rank=rank,
                     distributed_init_method=init_method)
