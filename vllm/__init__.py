@@ -9,6 +9,10 @@ _LAZY = {
     "CompletionOutput": "vllm.outputs",
     "EngineArgs": "vllm.engine.arg_utils",
     "LLMEngine": "vllm.engine.llm_engine",
+    "OptimizationLevel": "vllm.config.vllm",
+    "CompilationConfig": "vllm.config.compilation",
+    "CompilationMode": "vllm.config.compilation",
+    "CUDAGraphMode": "vllm.config.compilation",
 }
 
 __all__ = ["__version__", *_LAZY]

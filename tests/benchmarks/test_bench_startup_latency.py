@@ -36,6 +36,14 @@ def test_bench_commands_are_registered():
     assert args.bench_type == "startup" and args.optimization_level == [1]
 
 
+def test_bench_help_keeps_the_example_commands_on_their_lines(capsys):
+    from vllm.entrypoints.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "startup", "--help"])
+    assert "\n    vllm bench startup --model demo -O0 -O2\n" in capsys.readouterr().out
+
+
 def test_bench_startup_measures_every_level_given(caplog):
     """`-O` may be repeated (each level is measured, no "last wins" warning); `--levels` too;
     the engine settings passed to each start leave the level to the start."""

@@ -79,8 +79,11 @@ def test_separate_O_with_a_bad_level_names_it(capsys, value):
     assert ("-cc" in line) == value.startswith("{")
 
 
-def test_separate_O_before_another_flag_left_to_argparse(capsys):
-    assert "unrecognized arguments: -O" in parse_error(capsys, "-O", "--seed", "1")
+@pytest.mark.parametrize("argv", [("-O", "--seed", "1"), ("--seed", "1", "-O")])
+def test_separate_O_without_a_level_says_what_it_needs(capsys, argv):
+    """A bare -O (last, or before another flag) is refused, naming the levels (upstream:
+    an argparse error)."""
+    assert "-O needs a level: 0, 1, 2 or 3" in parse_error(capsys, *argv)
 
 
 @pytest.mark.parametrize("argv, bad", [(["-O5"], "5"), (["-Ofast"], "fast"),

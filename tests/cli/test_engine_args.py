@@ -234,9 +234,9 @@ def test_tp_size_must_split_the_model(tmp_path, shape, tp, match):
     dimension; fewer KV heads than ranks is fine (they are replicated)."""
     from transformers import LlamaConfig
 
-    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                architectures=["LlamaForCausalLM"])
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+                "architectures": ["LlamaForCausalLM"]}
     LlamaConfig(**{**base, **shape}).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=str(tmp_path), tensor_parallel_size=tp).create_engine_config()

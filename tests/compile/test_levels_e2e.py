@@ -12,6 +12,7 @@ codegen); one Inductor run is marked slow.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 
@@ -208,3 +209,31 @@ def test_inductor_o3_whole_graph_matches_o0(checkpoints, caplog, tmp_path):
                           cache_dir=str(tmp_path / "compile_cache"))
     check_startup_table(llm, wall, caplog)
     serve_and_compare(llm, tokens0, logprobs0, atol=2e-4)
+
+
+@pytest.mark.slow
+def test_first_start_on_a_machine_accounts_the_kernel_builds(tmp_path):
+    """With no built CPU kernels (an empty cache root and home cache), the builds during the
+    first traced forward are the "cpu kernel build" row, not Dynamo tracing's, and the rows
+    still add up to the wall time."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json\nfrom vllm import LLM\n"
+            "llm = LLM(model='demo', optimization_level=1, max_model_len=64,\n"
+            "          compilation_config={'backend': 'eager'})\n"
+            "e = llm.llm_engine\n"
+            "print(json.dumps({'wall': e.startup_seconds, 'phases': e.startup_phases,\n"
+            "                  'builds': e.startup_report['phases']['cpu kernel build']}))\n")
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "root"),
+           "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    phases, wall = report["phases"], report["wall"]
+    assert report["builds"]["count"] >= 2  # the linear and the paged-attention kernels
+    assert phases["cpu kernel build"] > 2 * phases["dynamo tracing"]
+    named = sum(v for k, v in phases.items() if k != "other")
+    assert named <= 1.05 * wall and phases["other"] < 0.05 * wall, (phases, wall)

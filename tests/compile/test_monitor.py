@@ -81,3 +81,32 @@ def test_an_outer_phase_leaves_out_the_phases_recorded_inside_it():
     total = sum(timer.seconds(n) for n in ("kv cache allocation", "dynamo tracing",
                                            "inductor compilation"))
     assert abs(total - wall) < 0.01
+
+
+def test_a_cpu_kernel_build_is_a_row_of_its_own(tmp_path, monkeypatch):
+    """The first start on a machine builds the C++ CPU kernels (~8 s each on 2 cores): the
+    build is its own row, taken out of the phase it happened in (it was counted as weight
+    loading / Dynamo tracing)."""
+    import torch.utils.cpp_extension
+
+    from vllm.compilation.monitor import CPU_KERNEL_BUILD
+    from vllm.utils import cpu_kernels
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda **kwargs: time.sleep(0.1))  # a "build" that takes 0.1 s
+    timer = reset_startup_timer()
+    start = time.perf_counter()
+    with timer.phase_around("weight loading", (CPU_KERNEL_BUILD,)):
+        time.sleep(0.02)
+        assert cpu_kernels.load_cpu_extension(
+            "monitor_test_kernel", str(tmp_path / "k.cpp"), "VLLM_MONITOR_TEST_KERNEL",
+            source_text="// nothing")
+    wall = time.perf_counter() - start
+    events = timer.as_dict()["phases"][CPU_KERNEL_BUILD]["events"]
+    assert [e["kernel"] for e in events] == ["monitor_test_kernel"]
+    assert 0.1 <= timer.seconds(CPU_KERNEL_BUILD) < 0.15
+    assert timer.seconds("weight loading") < 0.08
+    assert abs(timer.seconds("weight loading") + timer.seconds(CPU_KERNEL_BUILD) - wall) < 0.01
+    assert timer.phases().index(CPU_KERNEL_BUILD) == timer.phases().index("weight loading") + 1

@@ -121,6 +121,14 @@ def test_level_not_in_hash(platform):
     assert explicit_o0.compute_hash() == by_level[0]
 
 
+def test_level_enum_is_exported_at_the_top():
+    """`from vllm import LLM, OptimizationLevel` (and the compilation enums), as documented."""
+    import vllm
+
+    assert vllm.OptimizationLevel is OptimizationLevel
+    assert vllm.CompilationMode is CompilationMode and vllm.CUDAGraphMode is CUDAGraphMode
+
+
 def test_default_level_is_o2():
     config = VllmConfig()
     assert config.optimization_level == OptimizationLevel.O2

@@ -148,8 +148,11 @@ class EngineArgs:
                          action="append" if repeatable_level else "store",
                          default=d.optimization_level, metavar="{0,1,2,3}",
                          help="-O0 no compilation or CUDA graphs (fastest start-up); -O1 "
-                         "compile fast, piecewise CUDA graphs; -O2 (default) full and piecewise "
-                         "CUDA graphs, fusion passes; -O3 autotuning. Also -O2, -O 2, -O=2.")
+                         "Inductor compilation, piecewise CUDA graphs; -O2 (default) full and "
+                         "piecewise CUDA graphs, fusion passes, on the CPU prepacked linears "
+                         "and Inductor's C++ wrapper; -O3 on CUDA autotuning and per-size "
+                         "compiles, on the CPU one whole-graph compile. `vllm config -O<n>` "
+                         "shows every value. Also -O2, -O 2, -O=2.")
         opt.add_argument("--enforce-eager", action="store_true",
                          help="Deprecated: the same as -O0.")
         opt.add_argument("-cc", "--compilation-config", default=d.compilation_config,

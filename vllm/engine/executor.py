@@ -57,16 +57,16 @@ class UniProcExecutor(Executor):
     def _start(self, load_format: str) -> None:
         """Start every worker; each step is a phase of the process-wide start-up timer, less
         the Dynamo trace, compiles and captures run inside it (phases of their own)."""
-        from vllm.compilation.monitor import get_startup_timer
+        from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
 
         timer = get_startup_timer()
         # Phases recorded where they happen, inside the two below: on CUDA the KV cache sizing's
         # profiling forward is the first forward (the trace and the compiles run there), else
         # the warm-up's.
         nested = ("dynamo tracing", "graph loading", "inductor compilation",
-                  "cudagraph capture", "weight prepacking")
+                  "cudagraph capture", "weight prepacking", CPU_KERNEL_BUILD)
         self._call_all("init_device")
-        with timer.phase("weight loading"):
+        with timer.phase_around("weight loading", (CPU_KERNEL_BUILD,)):
             self._call_all("load_model", load_format)
         with timer.phase_around("kv cache allocation", nested):
             # Every rank must fit the cache: take the smallest.

@@ -139,13 +139,11 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             i += 1
             if token == "-O":
-                # "-O 2"; "-O banana" / "-O -1" reach the level's own check (a clear error),
-                # while "-O --other-flag" is left to argparse.
-                if nxt is not None and (not nxt.startswith("-") or nxt[1:].isdigit()):
-                    out += [_LEVEL_OPTION, nxt]
-                    i += 1
-                else:
-                    out.append(token)
+                # "-O 2"; "-O banana" / "-O -1" reach the level's own check (a clear error).
+                if nxt is None or (nxt.startswith("-") and not nxt[1:].isdigit()):
+                    self.error("-O needs a level: 0, 1, 2 or 3 (e.g. -O2, -O 2, -O=2)")
+                out += [_LEVEL_OPTION, nxt]
+                i += 1
                 continue
             if token.startswith("-O=") or (token.startswith("-O") and len(token) > 2
                                             and not token.startswith("--")):

@@ -110,6 +110,9 @@ def _build_and_load(name: str, source_path: str, source_text: str | None) -> boo
              extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
              verbose=False)
         elapsed = time.perf_counter() - start
+        from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
+
+        get_startup_timer().record(CPU_KERNEL_BUILD, elapsed, kernel=name)
         if elapsed > 1.0:
             logger.info("Built the CPU kernel %s in %.1f s (cached in %s)", name, elapsed,
                         directory)

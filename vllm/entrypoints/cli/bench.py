@@ -29,7 +29,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     for name, module_name in BENCHMARKS.items():
         module = importlib.import_module(module_name)
         doc = (module.__doc__ or name).strip()
-        sub = kinds.add_parser(name, help=doc.splitlines()[0], description=doc)
+        # (raw: the docstrings' example commands keep their own lines)
+        sub = kinds.add_parser(name, help=doc.splitlines()[0], description=doc,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_cli_args(sub)
         sub.set_defaults(_bench_main=module.main)
     return parser

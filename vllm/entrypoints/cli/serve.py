@@ -29,8 +29,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Require `Authorization: Bearer <key>` on every /v1 route "
                        "(default: VLLM_API_KEY, else no key).")
     group.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="On SIGTERM, seconds running requests may take to finish before "
-                       "they are aborted. Default: %(default)s.")
+                       help="On SIGTERM or SIGINT (Ctrl-C), seconds running requests may "
+                       "take to finish before they are aborted. Default: %(default)s.")
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level. Default: %(default)s.")
