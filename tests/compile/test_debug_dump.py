@@ -104,6 +104,20 @@ def test_failure_with_dump_points_at_it(tmp_path, monkeypatch):
     assert "no kernel for you" in failure and "Traceback" in failure
 
 
+def test_ctrl_c_during_a_compile_is_not_a_compile_failure(tmp_path, monkeypatch):
+    """Ctrl-C while a piece compiles reaches the caller as KeyboardInterrupt (it was turned
+    into "Compilation failed during inductor compile of piece N", exit status 1)."""
+    from vllm.compilation.compiler_interface import EagerCompiler
+
+    def interrupted(self, gm, example_inputs, compile_range, piece_index, dump_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EagerCompiler, "compile", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(build(str(tmp_path)))
+    assert not (tmp_path / "rank_0" / "failure.txt").exists()
+
+
 @pytest.mark.slow
 def test_inductor_dump_records_output_code(tmp_path):
     run(build(str(tmp_path), backend="inductor"))

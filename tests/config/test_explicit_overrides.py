@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 
 import pytest
@@ -159,3 +160,17 @@ def test_torch_compile_disable_env(monkeypatch):
     config = VllmConfig(model_config=model_configs.dense(), optimization_level=2)
     assert config.compilation_config.mode == CompilationMode.NONE
     assert config.provenance["compilation_config.mode"].source == "env TORCH_COMPILE_DISABLE"
+
+
+@pytest.mark.parametrize("mode", ["VLLM_COMPILE", 1, "DYNAMO_TRACE_ONCE"])
+def test_torch_compile_disable_env_wins_over_an_explicit_mode(monkeypatch, caplog, mode):
+    """As upstream: torch.compile cannot run at all, so even an explicit mode becomes NONE,
+    with a warning (it used to stay and fail deep in the Dynamo trace)."""
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        config = VllmConfig(model_config=model_configs.dense(),
+                            compilation_config={"mode": mode})
+    assert config.compilation_config.mode == CompilationMode.NONE
+    assert config.provenance["compilation_config.mode"].source == "env TORCH_COMPILE_DISABLE"
+    assert any("TORCH_COMPILE_DISABLE=1" in r.getMessage() for r in caplog.records)
+

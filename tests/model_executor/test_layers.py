@@ -33,6 +33,24 @@ def test_custom_op_dispatch_follows_the_current_config():
         assert SiluAndMul()._forward_method.__name__ == "forward_native"
 
 
+def test_a_custom_op_the_model_lacks_is_warned_about(caplog):
+    """As upstream: "+op"/"-op" naming no layer of the model is warned about (a misspelt name
+    used to do nothing silently); ops the model has are not."""
+    import logging
+
+    from vllm.model_executor.custom_op import warn_unused_custom_ops
+
+    model = torch.nn.Sequential(RMSNorm(8), SiluAndMul())
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        unused = warn_unused_custom_ops(
+            model, ["none", "+rms_norm", "-silu_and_mul", "+bogus_op", "-quant_fp8"])
+    assert unused == ["bogus_op", "quant_fp8"]
+    text = caplog.text
+    assert "'bogus_op' is not present in the model" in text and "'+bogus_op'" in text
+    assert "rms_norm" in text.split("knows:")[1]  # the names that would work
+    assert "'rms_norm' is not present" not in text
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_forms_agree(dtype):
     torch.manual_seed(0)

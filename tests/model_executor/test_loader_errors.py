@@ -122,3 +122,18 @@ def test_registry_lists_and_registers():
     assert arch == "Qwen2ForCausalLM" and cls.__name__ == "Qwen2ForCausalLM"
     with pytest.raises(ValueError, match="Supported architectures"):
         ModelRegistry.resolve_model_cls([])
+
+
+def test_loading_warns_about_custom_ops_the_model_lacks(pristine, caplog):
+    import logging
+
+    from vllm.config import CompilationConfig
+
+    config = VllmConfig(model_config=ModelConfig(model=pristine["llama"], dtype="float32"),
+                        compilation_config=CompilationConfig(custom_ops=["+rms_norm",
+                                                                         "+rms_nrom"]),
+                        optimization_level=0)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        get_model(config)
+    assert "'rms_nrom' is not present in the model" in caplog.text
+    assert "'rms_norm' is not present" not in caplog.text

@@ -424,6 +424,8 @@ class _stage:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None or isinstance(exc, CompilationStageError):
             return False
+        if not isinstance(exc, Exception):
+            return False  # Ctrl-C (KeyboardInterrupt), SystemExit: not a compile failure
         inner = find_stage_error(exc)
         if inner is not None:
             raise inner.with_dump_dir(self.dumper.dir if self.dumper else None) \

@@ -128,7 +128,11 @@ class VllmConfig:
         cc = self.compilation_config
         # Read now so that a value that is no on/off is a config error, not a mid-compile one.
         _ = envs.VLLM_DISABLE_COMPILE_CACHE, envs.VLLM_TEST_FAIL_ON_RECOMPILE
-        if envs.TORCH_COMPILE_DISABLE and cc.mode is None:
+        if envs.TORCH_COMPILE_DISABLE and cc.mode != CompilationMode.NONE:
+            # As upstream, over an explicit mode too: torch.compile cannot run at all.
+            if cc.mode is not None:
+                logger.warning("TORCH_COMPILE_DISABLE=1: torch.compile cannot run, so the "
+                               "compilation mode %s becomes NONE", _show(cc.mode))
             self._set("compilation_config.mode", CompilationMode.NONE,
                       Provenance("env TORCH_COMPILE_DISABLE", "torch.compile disabled by env"))
 
@@ -356,8 +360,10 @@ class VllmConfig:
         if current == value:
             return
         if self._is_user(path):
-            raise ValueError(f"{path.split('.')[-1]}={_show(current)} cannot be honoured on the "
-                             f"{self.platform.device_name} platform: {reason}.")
+            name = path.split('.')[-1]
+            raise ValueError(f"{name}={_show(current)} cannot be honoured on the "
+                             f"{self.platform.device_name} platform: {reason}. Leave {name} "
+                             f"unset or set it to {_show(value)} there.")
         self._set(path, value, Provenance(f"platform {self.platform.device_name}", reason))
 
     def explain(self) -> list[tuple[str, Any, Provenance]]:

@@ -72,3 +72,22 @@ class CustomOp(nn.Module):
             return op_cls
 
         return decorator
+
+
+def warn_unused_custom_ops(model: nn.Module, custom_ops: list[str]) -> list[str]:
+    """Warn (once per name) about each "+op"/"-op" of `custom_ops` that no layer of `model`
+    uses, as upstream does: a misspelt or foreign name would otherwise do nothing silently.
+    Returns the unused names."""
+    from vllm.logger import init_logger
+
+    used = {m.name for m in model.modules() if isinstance(m, CustomOp) and m.name}
+    unused = []
+    for op in custom_ops:
+        if op[:1] in "+-" and op[1:] not in used:
+            unused.append(op[1:])
+            known = ", ".join(sorted(CustomOp.op_registry)) or "none"
+            init_logger(__name__).warning_once(
+                "custom op %r is not present in the model, so %r has no effect (custom ops "
+                "this engine knows: %s)", op[1:], op, known)
+    return unused
+

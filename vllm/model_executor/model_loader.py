@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from vllm.logger import init_logger
+from vllm.model_executor.custom_op import warn_unused_custom_ops
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.registry import ModelRegistry
 
@@ -62,6 +63,7 @@ def get_model(vllm_config: Any, load_format: str | None = "auto") -> nn.Module:
             method.process_weights_after_loading(module)
         elif isinstance(module, ParallelLMHead):
             module.process_weights_after_loading()
+    warn_unused_custom_ops(model, vllm_config.compilation_config.custom_ops)
     if getattr(model, "attention_layers", None) is None:
         from vllm.attention.layer import collect_attention_layers
 
