@@ -126,3 +126,19 @@ def test_bench_latency(llama, tmp_path):
     assert result["decode_step_seconds"]["median"] > 0
     assert result["decode_tokens_per_second"] > 0
     assert "decode step" in stdout
+    # upstream's keys: whole-batch seconds per iteration, their mean and percentiles
+    assert len(result["latencies"]) == 2
+    assert result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 2)
+    assert result["latencies"][0] > result["prefill_seconds"]["min"]
+    assert list(result["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
+    assert min(result["latencies"]) <= result["percentiles"]["50"] <= max(result["latencies"])
+
+
+def test_latency_percentiles_interpolate_like_numpy():
+    import numpy as np
+
+    from vllm.benchmarks.latency import PERCENTILES, _percentile
+
+    values = [0.3, 0.1, 0.7, 0.2, 0.9]
+    for p in PERCENTILES:
+        assert _percentile(values, p) == pytest.approx(float(np.percentile(values, p)))

@@ -150,6 +150,21 @@ def test_torch_backends_trace_once(mode):
             torch.testing.assert_close(model(ids, pos), eager_reference(model, ids, pos))
 
 
+def test_stock_inductor_compile_is_its_own_startup_row():
+    """STOCK_TORCH_COMPILE with Inductor: the compile is an "inductor compilation" event, not
+    part of the "dynamo tracing" row (it was booked there, with 0 compiles shown)."""
+    from vllm.compilation.monitor import reset_startup_timer
+
+    model = build(make_config(mode=CompilationMode.STOCK_TORCH_COMPILE, backend="inductor",
+                              splitting_ops=[]))
+    timer = reset_startup_timer()
+    with torch.no_grad():
+        model(*inputs(5))
+    events = timer.as_dict()["phases"]["inductor compilation"]["events"]
+    assert [e["piece"] for e in events] == ["whole graph"]
+    assert timer.seconds("inductor compilation") > timer.seconds("dynamo tracing") > 0
+
+
 def _recompile_trigger(model):
     # A float64 positions tensor fails a dtype guard of the first trace.
     ids = torch.randint(0, 32, (4,))

@@ -6,7 +6,8 @@ generating exactly `--output-len` tokens each (greedy, EOS ignored, prefix cache
 iteration prefills). One engine step is timed at a time: the steps that process prompt
 tokens are the prefill, each later step (one new token for every request) is one decode step.
 Reports the median over iterations of the prefill time and of the mean decode-step time,
-with their spread, and writes them as JSON with `--output-json`.
+with their spread, and writes them as JSON with `--output-json`, with upstream's keys too:
+`avg_latency`, `latencies` (seconds per whole batch) and `percentiles` (10 ... 99).
 
     vllm bench latency --model demo -O2 --batch-size 16 --input-len 32 --output-len 64
 """
@@ -35,6 +36,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     parser.set_defaults(enable_prefix_caching=False)
     return parser
+
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def _percentile(values: list[float], p: float) -> float:
+    """The p-th percentile, linearly interpolated between the sorted values (numpy's)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * p / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -82,11 +95,12 @@ def main(args: argparse.Namespace) -> int:
 
     for _ in range(args.num_iters_warmup):
         run_batch(engine, batch(), args.output_len)
-    prefills, decodes = [], []
+    prefills, decodes, latencies = [], [], []
     for _ in range(args.num_iters):
         prefill, steps = run_batch(engine, batch(), args.output_len)
         prefills.append(prefill)
         decodes.append(statistics.mean(steps) if steps else float("nan"))
+        latencies.append(prefill + sum(steps))
     level = int(engine.vllm_config.optimization_level)
     result = {
         "model": args.model, "optimization_level": level, "batch_size": args.batch_size,
@@ -95,6 +109,9 @@ def main(args: argparse.Namespace) -> int:
         "prefill_seconds": _summary(prefills), "decode_step_seconds": _summary(decodes),
         "decode_tokens_per_second": args.batch_size / statistics.median(decodes),
         "compilation_config": _compilation_summary(engine.vllm_config),
+        # upstream `vllm bench latency`'s keys: the whole batch, prefill to last token
+        "avg_latency": statistics.mean(latencies), "latencies": latencies,
+        "percentiles": {str(p): _percentile(latencies, p) for p in PERCENTILES},
     }
     print(f"-O{level} batch {args.batch_size}, input {args.input_len}, output "
           f"{args.output_len}, {args.num_iters} iterations (median [min, max]):")

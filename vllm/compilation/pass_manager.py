@@ -86,7 +86,8 @@ class PostGradPassManager:
         """After compiling: the rewrites per pass; a warning for an enabled fusion that matched
         nothing on an FP8 model (where every one of them should match)."""
         if not self.num_graphs:
-            logger.info("Graph passes did not run (every piece came from the compile cache)")
+            logger.info("Graph passes did not run (every piece was loaded from a compile "
+                        "cache: ours, or Inductor's own FX-graph cache)")
             return
         counts = ", ".join(f"{p.name}={p.total_matched}" for p in self.passes)
         logger.info("Graph passes over %d graph(s): %s", self.num_graphs, counts or "none")
