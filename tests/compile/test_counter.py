@@ -33,3 +33,17 @@ def test_deltas_not_absolute_values():
     with counter.expect(num_models_seen=1):
         counter.num_models_seen += 1
     assert counter.clone() == counter and counter.clone() is not counter
+
+
+def test_upstream_counter_names_read_ours():
+    """Upstream's names for the same events (tests written against upstream's counter):
+    artifacts / cache entries saved and loaded, the traced graph (AOT) saved and loaded."""
+    counter = CompilationCounter(num_cache_saves=3, num_cache_hits=2, num_graphs_saved=1,
+                                 num_graphs_loaded=4)
+    assert counter.num_cache_entries_updated == counter.num_compiled_artifacts_saved == 3
+    assert counter.num_compiled_artifacts_loaded == 2
+    assert (counter.num_aot_artifacts_saved, counter.num_aot_artifacts_loaded) == (1, 4)
+    with counter.expect(num_compiled_artifacts_saved=2, num_compiled_artifacts_loaded=0):
+        counter.num_cache_saves += 2
+    with pytest.raises(AttributeError, match="num_nothing"):
+        _ = counter.num_nothing

@@ -103,6 +103,7 @@ def test_compiled_level_replays_cuda_graphs_and_matches_o0(llama, level):
     TRITON_ATTN, whose decode batches replay full graphs at -O2/-O3."""
     tokens0, logprobs0 = o0(llama)
     before = compilation_counter.num_cudagraph_captured
+    triggers_before = compilation_counter.num_gpu_runner_capture_triggers
     llm = LLM(model=llama, optimization_level=level, **ENGINE)
     runner = llm.llm_engine.executor.worker.model_runner
     assert runner.device.type == "cuda"
@@ -112,6 +113,8 @@ def test_compiled_level_replays_cuda_graphs_and_matches_o0(llama, level):
     assert runner.cudagraph_dispatcher is not None
     captured = compilation_counter.num_cudagraph_captured - before
     assert captured > 0
+    # one capture per dispatcher key; a piecewise key captures one graph per piece
+    assert 0 < compilation_counter.num_gpu_runner_capture_triggers - triggers_before <= captured
     replayed = compilation_counter.num_cudagraph_replayed
     with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0,
                                     num_recompiles=0, num_cudagraph_captured=0):

@@ -43,11 +43,19 @@ class CompilationCounter:
     """Graphs compiled by torch's own backend (modes STOCK_TORCH_COMPILE, DYNAMO_TRACE_ONCE)."""
     num_recompiles: int = 0
     """Dynamo traces after the first successful one (a guard failed)."""
+    num_gpu_runner_capture_triggers: int = 0
+    """CUDA-graph captures the model runner asked for (one per dispatcher key)."""
     num_cudagraph_captured: int = 0
     num_cudagraph_replayed: int = 0
 
     def clone(self) -> CompilationCounter:
         return copy.deepcopy(self)
+
+    def __getattr__(self, name: str) -> int:
+        # Upstream's names for the counters this engine keeps under its own names.
+        if name in UPSTREAM_ALIASES:
+            return getattr(self, UPSTREAM_ALIASES[name])
+        raise AttributeError(f"{type(self).__name__!r} has no counter {name!r}")
 
     @contextlib.contextmanager
     def expect(self, **deltas: int) -> Iterator[None]:
@@ -56,7 +64,7 @@ class CompilationCounter:
         >>> with compilation_counter.expect(num_graphs_seen=1, num_recompiles=0):
         ...     model(x)
         """
-        known = {f.name for f in dataclasses.fields(self)}
+        known = {f.name for f in dataclasses.fields(self)} | set(UPSTREAM_ALIASES)
         unknown = sorted(set(deltas) - known)
         if unknown:
             raise ValueError(f"Unknown compilation counter(s) {unknown}; known: {sorted(known)}")
@@ -69,5 +77,15 @@ class CompilationCounter:
                 wrong.append(f"{name}: expected +{expected}, got +{actual}")
         assert not wrong, "compilation_counter mismatch: " + "; ".join(wrong)
 
+
+# upstream counter name -> ours (same events: a piece saved to / loaded from the compile
+# cache, the traced graph saved / loaded for a start without Dynamo)
+UPSTREAM_ALIASES = {
+    "num_cache_entries_updated": "num_cache_saves",
+    "num_compiled_artifacts_saved": "num_cache_saves",
+    "num_compiled_artifacts_loaded": "num_cache_hits",
+    "num_aot_artifacts_saved": "num_graphs_saved",
+    "num_aot_artifacts_loaded": "num_graphs_loaded",
+}
 
 compilation_counter = CompilationCounter()

@@ -155,6 +155,7 @@ class ModelRunner:
         mode = self._runtime_cudagraph_mode()
         if not mode:
             return
+        from vllm.compilation.counter import compilation_counter
         from vllm.compilation.cuda_graph import CUDAGraphWrapper
         from vllm.compilation.cudagraph_dispatcher import CudagraphDispatcher
         from vllm.compilation.monitor import get_startup_timer
@@ -170,6 +171,7 @@ class ModelRunner:
         start = time.perf_counter()
         captured_before = timer.seconds("cudagraph capture")
         for runtime_mode, descriptor in keys:
+            compilation_counter.num_gpu_runner_capture_triggers += 1
             num_reqs = descriptor.num_reqs if descriptor.uniform else 1
             self.dummy_run(descriptor.num_tokens, num_reqs, descriptor.uniform)
             self.dummy_run(descriptor.num_tokens, num_reqs, descriptor.uniform,
