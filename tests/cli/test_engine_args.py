@@ -212,6 +212,23 @@ def test_sub_configs(tiny):
     assert config.parallel_config.distributed_executor_backend == "uni"
 
 
+def test_upstream_model_and_parallel_flags(tiny):
+    """Flags upstream's scripts pass: they parse and reach the configs (or are refused by
+    name where this engine cannot do it)."""
+    config = from_argv("--model", tiny, "-pp", "1", "-dp", "1", "--disable-custom-all-reduce",
+                       "--tokenizer-mode", "slow", "--generation-config", "vllm",
+                       "--override-generation-config", '{"temperature": 0.5}',
+                       ).create_engine_config()
+    mc = config.model_config
+    assert (mc.tokenizer_mode, mc.generation_config) == ("slow", "vllm")
+    assert mc.override_generation_config == {"temperature": 0.5}
+    assert config.parallel_config.pipeline_parallel_size == 1
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported"):
+        from_argv("--model", tiny, "-pp", "2").create_engine_config()
+    with pytest.raises(ValueError, match="data_parallel_size > 1 is not supported"):
+        from_argv("--model", tiny, "--data-parallel-size", "2").create_engine_config()
+
+
 def test_several_served_model_names(tiny):
     """`--served-model-name a b` (nargs=+ as upstream): all accepted, the first reported."""
     config = from_argv("--model", tiny, "--served-model-name", "main",

@@ -390,3 +390,57 @@ def test_padded_batches_match(llama_path, hf_greedy):
     assert runner._runtime_cudagraph_mode() == CUDAGraphMode.PIECEWISE
     cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     assert runner._runtime_cudagraph_mode() == CUDAGraphMode.NONE
+
+
+def test_generation_config_sources_and_overrides(llama_path, tmp_path):
+    """--generation-config auto (the folder's generation_config.json) / vllm (none) / another
+    folder, and --override-generation-config over it, as upstream."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5, "eos_token_id": 2}))
+    elsewhere = tmp_path / "gen"
+    elsewhere.mkdir()
+    (elsewhere / "generation_config.json").write_text(json.dumps({"top_k": 7}))
+
+    def defaults(**kwargs):
+        llm = LLM(model=str(model), optimization_level=0, max_model_len=64, **kwargs)
+        params = llm.get_default_sampling_params()
+        llm.llm_engine.shutdown()
+        return params.temperature, params.top_p, params.top_k, params.max_tokens
+
+    plain = SamplingParams()
+    assert defaults(override_generation_config={"temperature": 0.2}) == (0.2, 0.9,
+                                                                         plain.top_k, 5)
+    assert defaults(generation_config="vllm", override_generation_config={"top_p": 0.5}) == \
+        (plain.temperature, 0.5, plain.top_k, plain.max_tokens)
+    assert defaults(generation_config=str(elsewhere)) == \
+        (plain.temperature, plain.top_p, 7, plain.max_tokens)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"generation_config": "/no/such/folder"}, "generation_config must be 'auto', 'vllm'"),
+    ({"override_generation_config": {"temprature": 0.1}}, "unknown key.*temprature"),
+    ({"tokenizer_mode": "mistral"}, "tokenizer_mode must be one of auto, slow"),
+])
+def test_generation_and_tokenizer_settings_are_checked(llama_path, kwargs, match):
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=llama_path, **kwargs).create_engine_config()
+
+
+def test_slow_tokenizer_mode_asks_for_the_python_tokenizer(monkeypatch):
+    from transformers import AutoTokenizer
+
+    from vllm.engine.llm_engine import load_tokenizer
+
+    seen = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda path, **kw: seen.append(kw["use_fast"]) or "tok")
+    load_tokenizer("x", mode="slow")
+    load_tokenizer("x")
+    assert seen == [False, True]

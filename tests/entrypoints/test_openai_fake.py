@@ -15,6 +15,7 @@ from server_utils import serve_in_thread
 
 from vllm.engine.async_llm import AsyncLLM
 from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.frontend_options import FrontendOptions
 from vllm.entrypoints.openai.metrics import metric_value
 from vllm.entrypoints.openai.serving_chat import load_chat_template
 
@@ -481,7 +482,8 @@ def test_server_chat_template_and_request_template(engine):
     """--chat-template replaces the tokenizer's template; a request's own chat_template is
     refused unless the server trusts request templates."""
     messages = [{"role": "user", "content": "hi"}]
-    with serve_in_thread(build_app(engine, [MODEL], chat_template=JINJA_TEMPLATE)) as base:
+    with serve_in_thread(build_app(engine, [MODEL],
+                                   options=FrontendOptions(chat_template=JINJA_TEMPLATE))) as base:
         tokens = post(base, "/tokenize", {"messages": messages}).json()["tokens"]
         assert post(base, "/detokenize", {"tokens": tokens}).json()["prompt"] == \
             "<user>hi<bot>"
@@ -489,7 +491,8 @@ def test_server_chat_template_and_request_template(engine):
                                                    "chat_template": "{{ 'x' }}"})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
         assert "--trust-request-chat-template" in resp.json()["error"]["message"]
-    with serve_in_thread(build_app(engine, [MODEL], trust_request_chat_template=True)) as base:
+    trusting = FrontendOptions(trust_request_chat_template=True)
+    with serve_in_thread(build_app(engine, [MODEL], options=trusting)) as base:
         body = post(base, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
                                                    "chat_template": "{{ 'zz' }}"}).json()
         assert body["usage"]["prompt_tokens"] == 2  # "zz", no BOS: the template's own text
@@ -526,3 +529,57 @@ def test_load_chat_template(tmp_path, capsys):
         main(["serve", "demo", "--chat-template", str(tmp_path / "missing.jinja")])
     assert info.value.code == 2
     assert "--chat-template" in capsys.readouterr().err
+
+
+def test_frontend_options_response_role_request_log_cors_root_path(engine, caplog):
+    """upstream's server flags: --response-role, --enable-log-requests / --max-log-len, the
+    CORS flags (a browser's preflight needs no API key) and --root-path."""
+    import logging
+
+    options = FrontendOptions(response_role="bot", enable_log_requests=True, max_log_len=2,
+                              allowed_origins=["http://ui.example"], root_path="/llm")
+    app = build_app(engine, [MODEL], api_key="k", options=options)
+    with serve_in_thread(app) as base:
+        auth = {"Authorization": "Bearer k"}
+        with caplog.at_level(logging.INFO, logger="vllm"):
+            body = post(base, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                headers=auth).json()
+        assert body["choices"][0]["message"]["role"] == "bot"
+        logged = [r.getMessage() for r in caplog.records if "Received request" in
+                  r.getMessage()]
+        assert len(logged) == 1 and "max_tokens=2" in logged[0]
+        assert "prompt: '[u'" in logged[0]  # cut to --max-log-len characters
+        preflight = httpx.options(base + "/v1/completions", headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+        other = httpx.options(base + "/v1/completions", headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+
+def test_serve_flags_reach_the_frontend_options(tmp_path):
+    from vllm.entrypoints.cli.main import build_parser
+    from vllm.entrypoints.openai.api_server import uvicorn_config
+
+    args = build_parser().parse_args([
+        "serve", "demo", "--response-role", "bot", "--enable-log-requests", "--max-log-len",
+        "10", "--root-path", "/llm", "--allowed-origins", '["http://a"]', "--allow-credentials",
+        "--disable-log-requests"])
+    options = FrontendOptions.from_cli_args(args)
+    assert (options.response_role, options.enable_log_requests, options.max_log_len) == \
+        ("bot", True, 10)
+    assert options.allowed_origins == ["http://a"] and options.allow_credentials
+    assert uvicorn_config(object(), args, options).root_path == "/llm"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "demo", "--allowed-origins", "*"])
+
+
+def test_requests_are_not_logged_by_default(url, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        assert post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1}).status_code == 200
+    assert "Received request" not in caplog.text

@@ -9,6 +9,11 @@ from typing import Any
 
 from vllm.config.utils import check_bool_fields, hash_fields
 
+TOKENIZER_MODES = ("auto", "slow")
+# generation_config.json keys -> the SamplingParams fields they default.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                          "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                          "max_new_tokens": "max_tokens"}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
                   "bf16": "bfloat16"}
@@ -57,6 +62,14 @@ class ModelConfig:
     max_logprobs: int = 20
     """The most logprobs a request may ask for, per sampled or prompt token (-1: the whole
     vocabulary). As upstream: 20."""
+    tokenizer_mode: str = "auto"
+    """"auto": the fast (Rust) tokenizer where the folder has one; "slow": the Python one."""
+    generation_config: str = "auto"
+    """Where default sampling parameters come from: "auto" (the model folder's
+    generation_config.json), "vllm" (none: SamplingParams' own defaults) or another folder."""
+    override_generation_config: dict[str, Any] | None = None
+    """Default sampling parameters set over those of `generation_config` (its key names:
+    temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)."""
     hf_config: Any = field(default=None, repr=False, compare=False)
     """A transformers PretrainedConfig given directly (tests); otherwise read from the folder."""
     torch_dtype: Any = field(default=None, init=False, repr=False, compare=False)
@@ -89,10 +102,36 @@ class ModelConfig:
         if not names or not all(isinstance(n, str) and n for n in names):
             raise ValueError(f"served_model_name must be a non-empty name or a non-empty list "
                              f"of names, got {self.served_model_name!r}")
+        self._check_tokenizer_and_generation_config()
         if (isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int)
                 or self.max_logprobs < -1):
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole "
                              f"vocabulary), got {self.max_logprobs!r}")
+
+    def _check_tokenizer_and_generation_config(self) -> None:
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}, got "
+                             f"{self.tokenizer_mode!r}")
+        source = self.generation_config
+        if source not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(str(source), "generation_config.json")):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding "
+                             f"generation_config.json, got {source!r}")
+        overrides = self.override_generation_config
+        if overrides is None:
+            return
+        if not isinstance(overrides, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {overrides!r}")
+        unknown = sorted(set(overrides) - set(GENERATION_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"override_generation_config: unknown key(s) {unknown}; allowed: "
+                             f"{', '.join(GENERATION_CONFIG_KEYS)}")
+
+    def generation_config_folder(self) -> str:
+        """The folder whose generation_config.json is read (EOS ids; defaults unless
+        generation_config is "vllm")."""
+        return self.model if self.generation_config in ("auto", "vllm") else \
+            self.generation_config
 
     @property
     def served_model_names(self) -> list[str]:

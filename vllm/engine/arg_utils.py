@@ -25,6 +25,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.config.model import TOKENIZER_MODES
 from vllm.utils.argparse_utils import (
     human_int,
     json_dict_type,
@@ -73,6 +74,8 @@ def _mode_shorthand(value: Any) -> int | None:
     return None
 
 
+_generation_overrides = json_dict_type("--override-generation-config")
+
 # Upstream keyword spellings taken as another field's name (LLM(kv_cache_memory_bytes=...)).
 ENGINE_ARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 
@@ -91,6 +94,9 @@ class EngineArgs:
     load_format: str = "auto"
     enforce_eager: bool = False
     max_logprobs: int = 20
+    tokenizer_mode: str = "auto"
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     optimization_level: OptimizationLevel | int | str | None = None
     compilation_config: dict | CompilationConfig | str | None = None
     block_size: int = 16
@@ -103,6 +109,9 @@ class EngineArgs:
     max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
     distributed_executor_backend: str | None = None
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
@@ -138,6 +147,18 @@ class EngineArgs:
         model.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                            help="The most logprobs a request may ask for per token (-1: the "
                            "whole vocabulary). Default: %(default)s.")
+        model.add_argument("--tokenizer-mode", choices=list(TOKENIZER_MODES),
+                           default=d.tokenizer_mode,
+                           help="auto: the fast tokenizer where there is one; slow: the Python "
+                           "one. Default: %(default)s.")
+        model.add_argument("--generation-config", default=d.generation_config,
+                           help="Default sampling parameters from: 'auto' (the model's "
+                           "generation_config.json), 'vllm' (none) or a folder. Default: "
+                           "%(default)s.")
+        model.add_argument("--override-generation-config", type=_generation_overrides,
+                           default=d.override_generation_config,
+                           help="JSON, e.g. '{\"temperature\": 0.5}': default sampling "
+                           "parameters over those of --generation-config.")
         model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"],
                            default=d.load_format,
                            help="auto/safetensors: the folder's weights; dummy: random weights "
@@ -202,6 +223,15 @@ class EngineArgs:
                            help="Split long prompts across steps.")
         sched.add_argument("-tp", "--tensor-parallel-size", type=positive_int,
                            default=d.tensor_parallel_size, help="Tensor-parallel ranks.")
+        sched.add_argument("-pp", "--pipeline-parallel-size", type=positive_int,
+                           default=d.pipeline_parallel_size,
+                           help="Pipeline-parallel stages (only 1: use -tp).")
+        sched.add_argument("-dp", "--data-parallel-size", type=positive_int,
+                           default=d.data_parallel_size,
+                           help="Data-parallel replicas (only 1: run one server per replica).")
+        sched.add_argument("--disable-custom-all-reduce", action="store_true",
+                           help="Accepted for upstream's scripts: the all-reduce is always "
+                           "torch.distributed's here (there is no custom one to disable).")
         sched.add_argument("--distributed-executor-backend", choices=["uni", "mp"],
                            default=d.distributed_executor_backend,
                            help="uni: one process; mp: one process per rank.")
@@ -255,7 +285,9 @@ class EngineArgs:
             max_model_len=self.max_model_len, seed=self.seed,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code, enforce_eager=self.enforce_eager,
-            max_logprobs=self.max_logprobs)
+            max_logprobs=self.max_logprobs, tokenizer_mode=self.tokenizer_mode,
+            generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config)
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory=self._kv_cache_memory(),
@@ -263,6 +295,8 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override)
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,

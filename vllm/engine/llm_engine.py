@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.compilation.monitor import StartupTimer, reset_startup_timer
+from vllm.config.model import GENERATION_CONFIG_KEYS
 from vllm.engine.executor import Executor
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request import Request, RequestStatus
@@ -28,17 +29,13 @@ logger = init_logger(__name__)
 PromptType = str | dict[str, Any]
 """A text prompt, {"prompt": text} or {"prompt_token_ids": [...]} (optionally with "prompt")."""
 
-# generation_config.json keys that become default sampling parameters.
-_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                        "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                        "max_new_tokens": "max_tokens"}
-
-
-def load_tokenizer(tokenizer: str, trust_remote_code: bool = False):
+def load_tokenizer(tokenizer: str, trust_remote_code: bool = False, mode: str = "auto"):
+    """The folder's tokenizer; `mode` "slow" takes the Python tokenizer over the fast one."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code,
+                                             use_fast=mode != "slow")
     except (OSError, ValueError) as exc:
         raise ValueError(f"Cannot load the tokenizer from {tokenizer!r}: {exc}") from exc
 
@@ -65,7 +62,8 @@ class LLMEngine:
         self.log_stats = log_stats
         logger.info("%s", vllm_config.summary_line())
         with timer.phase("tokenizer loading"):
-            self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+            self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code,
+                                            mc.tokenizer_mode)
         self.generation_config = self._read_generation_config()
         self.eos_token_ids = self._eos_token_ids()
         self.max_model_len = mc.max_model_len
@@ -106,7 +104,8 @@ class LLMEngine:
 
     # ---- model facts --------------------------------------------------------------------
     def _read_generation_config(self) -> dict:
-        path = os.path.join(self.model_config.model, "generation_config.json")
+        path = os.path.join(self.model_config.generation_config_folder(),
+                            "generation_config.json")
         if not os.path.isfile(path):
             return {}
         with open(path) as f:
@@ -124,10 +123,13 @@ class LLMEngine:
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the model's generation_config.json defaults applied."""
-        values = {ours: self.generation_config[theirs]
-                  for theirs, ours in _GENERATION_DEFAULTS.items()
-                  if self.generation_config.get(theirs) is not None}
+        """SamplingParams with the generation_config.json defaults applied (none with
+        generation_config="vllm"), then override_generation_config's."""
+        mc = self.model_config
+        source = {} if mc.generation_config == "vllm" else dict(self.generation_config)
+        source.update(mc.override_generation_config or {})
+        values = {ours: source[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items()
+                  if source.get(theirs) is not None}
         return SamplingParams(**values)
 
     # ---- requests -----------------------------------------------------------------------

@@ -3,8 +3,8 @@
 MODEL is a local Hugging Face folder or `demo` (the built-in demo model); `--model` works
 too. Engine flags are those of EngineArgs (-O0..-O3, -cc ..., --max-model-len,
 --served-model-name, --kv-cache-memory ...); server flags are --host (127.0.0.1), --port
-(8000), --api-key, --chat-template, --trust-request-chat-template, --shutdown-timeout
-(10 s) and the uvicorn log switches.
+(8000), --api-key, --shutdown-timeout (10 s), the uvicorn log switches and those of
+`FrontendOptions` (--chat-template, --response-role, --enable-log-requests, --root-path, CORS).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.openai.frontend_options import add_frontend_args
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -34,14 +35,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level. Default: %(default)s.")
-    group.add_argument("--chat-template", default=None,
-                       help="Jinja chat template for /v1/chat/completions: a file's path or "
-                       "the template itself (default: the tokenizer's).")
-    group.add_argument("--trust-request-chat-template", action="store_true",
-                       help="Let a request's own `chat_template` field replace the server's "
-                       "template (refused with a 400 otherwise).")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="Do not log one line per HTTP request.")
+    add_frontend_args(group)
     return parser
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import Request
 
 from vllm.engine.async_llm import AsyncLLM
+from vllm.entrypoints.openai.frontend_options import FrontendOptions
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -38,7 +39,7 @@ from vllm.entrypoints.openai.protocol import (
     error_body,
     parse_request,
 )
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import ClientDisconnected, OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger
@@ -54,8 +55,9 @@ class ServerState:
 
     def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
                  api_key: str | None, metrics: ServerMetrics | None,
-                 chat_template: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 options: FrontendOptions | None = None) -> None:
+        options = options or FrontendOptions()
+        self.options = options
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.api_key = api_key
@@ -70,10 +72,9 @@ class ServerState:
         # here; a Rust-backed tokenizer must not be used from two threads at once.
         tokenizer = _own_copy(engine.tokenizer)
         self.completion = OpenAIServingCompletion(engine, self.served_model_names,
-                                                  self.max_model_len, tokenizer)
+                                                  self.max_model_len, tokenizer, options)
         self.chat = OpenAIServingChat(engine, self.served_model_names, self.max_model_len,
-                                      tokenizer, chat_template=chat_template,
-                                      trust_request_chat_template=trust_request_chat_template)
+                                      tokenizer, options)
         self.tokenization = OpenAIServingTokenization(self.chat)
 
 
@@ -122,21 +123,26 @@ async def _send_json(send: Any, status: int, body: dict) -> None:
 
 
 def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str | None = None,
-              metrics: ServerMetrics | None = None, chat_template: str | None = None,
-              trust_request_chat_template: bool = False) -> Any:
-    """The FastAPI app over a running `AsyncLLM` (its state is `app.state.server`).
-    `chat_template` is the template text (see `load_chat_template`)."""
+              metrics: ServerMetrics | None = None,
+              options: FrontendOptions | None = None) -> Any:
+    """The FastAPI app over a running `AsyncLLM` (its state is `app.state.server`)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
+    from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    state = ServerState(engine, served_model_names, api_key, metrics, chat_template,
-                        trust_request_chat_template)
+    state = ServerState(engine, served_model_names, api_key, metrics, options)
+    options = state.options
     app = FastAPI(title="vLLM-compatible OpenAI API", version=__version__,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.add_middleware(_GuardMiddleware, state=state)
+    # (added last, so it runs first: a browser's preflight OPTIONS needs no API key)
+    app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
+                       allow_methods=options.allowed_methods,
+                       allow_headers=options.allowed_headers,
+                       allow_credentials=options.allow_credentials)
 
     class SSEResponse(StreamingResponse):
         """Closes the body iterator however the response ends (a dropped client included),
@@ -317,7 +323,6 @@ def run_server(args: argparse.Namespace) -> int:
     """Build the engine from the parsed flags (EngineArgs' plus those of
     `vllm.entrypoints.cli.serve.add_server_args`), serve until SIGTERM/SIGINT, return 0.
     Raises ValueError for flags that cannot be resolved (the CLI prints them)."""
-    import uvicorn
 
     from vllm import envs
     from vllm.engine.arg_utils import EngineArgs
@@ -328,7 +333,10 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = args.api_key or envs.VLLM_API_KEY
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    chat_template = load_chat_template(args.chat_template)
+    options = FrontendOptions.from_cli_args(args)
+    if args.disable_log_requests:
+        logger.warning("--disable-log-requests is deprecated: requests are logged only with "
+                       "--enable-log-requests")
     logger.info("vLLM-compatible API server %s; model %s", __version__, args.model)
     sock = bind_socket(args.host, args.port)
     metrics = ServerMetrics(served)
@@ -340,13 +348,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise
     try:
         # (the engine logged its start-up phase table when it became ready)
-        app = build_app(engine, names, api_key=api_key, metrics=metrics,
-                        chat_template=chat_template,
-                        trust_request_chat_template=args.trust_request_chat_template)
-        config = uvicorn.Config(app, host=args.host, port=args.port,
-                                log_level=args.uvicorn_log_level,
-                                access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+        app = build_app(engine, names, api_key=api_key, metrics=metrics, options=options)
+        config = uvicorn_config(app, args, options)
         server = _uvicorn_server_class()(config, app.state.server, args.shutdown_timeout)
         logger.info("Serving %r on http://%s:%d (API key %s)", served, args.host, args.port,
                     "required" if api_key else "not required")
@@ -359,6 +362,16 @@ def run_server(args: argparse.Namespace) -> int:
         engine.shutdown()
     logger.info("server stopped")
     return 0
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace, options: FrontendOptions) -> Any:
+    """uvicorn's settings from `vllm serve`'s flags (--root-path is uvicorn's to apply)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                          access_log=not args.disable_uvicorn_access_log,
+                          root_path=options.root_path, timeout_keep_alive=5,
+                          timeout_graceful_shutdown=5)
 
 
 def example_curl(served: str, host: str, port: int, api_key: str | None) -> str:

@@ -50,26 +50,21 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """POST /v1/chat/completions. `chat_template` (the server's --chat-template) replaces the
-    tokenizer's; a request's own `chat_template` is used only when the server trusts it."""
-
-    def __init__(self, *args: Any, chat_template: str | None = None,
-                 trust_request_chat_template: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.chat_template = chat_template
-        self.trust_request_chat_template = trust_request_chat_template
+    """POST /v1/chat/completions. The server's --chat-template (`options.chat_template`)
+    replaces the tokenizer's; a request's own `chat_template` is used only when the server
+    trusts request templates."""
 
     def _template(self, request: Any) -> str | None:
         """The template to render `request` with (None: the tokenizer's own)."""
         if request.chat_template is not None:
-            if not self.trust_request_chat_template:
+            if not self.options.trust_request_chat_template:
                 raise OpenAIError(
                     "the request carries a chat_template, but the server was not started "
                     "with --trust-request-chat-template; the request was refused", 400,
                     "chat_template")
             return request.chat_template
-        if self.chat_template is not None:
-            return self.chat_template
+        if self.options.chat_template is not None:
+            return self.options.chat_template
         if getattr(self.tokenizer, "chat_template", "unset") is None:
             raise OpenAIError("this model's tokenizer has no chat template; start the server "
                               "with --chat-template, or use /v1/completions", 400, "messages")
@@ -126,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
                                       max_tokens, num_logprobs)
         base_id = random_id("chatcmpl")
         created = int(time.time())
-        role, echo = reply_role_and_echo(request)
+        role, echo = reply_role_and_echo(request, self.options.response_role)
         streams = await self.start(base_id, [prompt], params)
         if request.stream:
             return ClosingStream(
@@ -250,11 +245,12 @@ def check_tool_choice(request: ChatCompletionRequest) -> None:
                       f"outputs; this server does not support them", 400, "tool_choice")
 
 
-def reply_role_and_echo(request: ChatCompletionRequest) -> tuple[str, str]:
-    """The reply's role (as upstream: "assistant" after a generation prompt, else the last
+def reply_role_and_echo(request: ChatCompletionRequest,
+                        response_role: str = "assistant") -> tuple[str, str]:
+    """The reply's role (as upstream: `response_role` after a generation prompt, else the last
     message's role) and, with echo=true, the text it starts with: the last message's content
     when that message has the reply's role."""
     last = normalize_messages(request.messages[-1:])[0]
-    role = "assistant" if request.add_generation_prompt else last["role"]
+    role = response_role if request.add_generation_prompt else last["role"]
     echo = last["content"] if request.echo and last["role"] == role else ""
     return role, echo

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from vllm.entrypoints.openai.frontend_options import FrontendOptions
 from vllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, error_body
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
@@ -73,7 +74,9 @@ class OpenAIServing:
     """Shared by the completion and chat handlers."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
-                 max_model_len: int, tokenizer: Any) -> None:
+                 max_model_len: int, tokenizer: Any,
+                 options: FrontendOptions | None = None) -> None:
+        self.options = options or FrontendOptions()
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
@@ -152,6 +155,8 @@ class OpenAIServing:
         try:
             for i, ids in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                if self.options.enable_log_requests:
+                    self.log_request(rid, ids, params)
                 streams.append(await self.engine.add_request(
                     rid, {"prompt_token_ids": ids}, params))
         except BaseException as exc:
@@ -163,6 +168,16 @@ class OpenAIServing:
                 raise OpenAIError(str(exc), 500) from None
             raise
         return streams
+
+    def log_request(self, request_id: str, prompt_ids: list[int], params: Any) -> None:
+        """One line per request (--enable-log-requests), the prompt cut to --max-log-len."""
+        limit = self.options.max_log_len
+        text = self.tokenizer.decode(prompt_ids[:limit] if limit is not None else prompt_ids)
+        if limit is not None:
+            text = text[:limit]
+        shown = prompt_ids if limit is None else prompt_ids[:limit]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s "
+                    "(%d tokens)", request_id, text, params, shown, len(prompt_ids))
 
     def abort_unfinished(self, streams: list[RequestStream]) -> None:
         ids = [s.request_id for s in streams if not s.finished]
