@@ -92,3 +92,19 @@ def test_demo_server_sigterm_drains_then_exits_zero(tmp_path):
     assert set(long_result["reasons"]) == set(range(32))
     assert "abort" in long_result["reasons"].values(), long_result
     assert "SIGTERM received" in log and "aborting" in log
+
+
+def test_openai_module_entry_point_serves_and_exits_zero(tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server --model M` (upstream's module entry
+    point) is the same server as `vllm serve M`."""
+    server = RemoteServer("vllm.entrypoints.openai.api_server", [
+        "--model", "demo", "-O0", "--served-model-name", "d", "--disable-log-requests"],
+        log_dir=str(tmp_path))
+    try:
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["d"]
+        body = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "d", "prompt": "def", "max_tokens": 3, "temperature": 0}).json()
+        assert body["usage"]["completion_tokens"] == 3
+        assert "--disable-log-requests is deprecated" in server.log()
+    finally:
+        assert server.stop() == 0, server.log_path

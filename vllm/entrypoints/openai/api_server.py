@@ -381,3 +381,27 @@ def example_curl(served: str, host: str, port: int, api_key: str | None) -> str:
                        "temperature": 0})
     return (f"curl -s http://{host}:{port}/v1/completions -H 'Content-Type: application/json'"
             f"{auth} -d '{body}'")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m vllm.entrypoints.openai.api_server --model M [flags]`: upstream's module
+    entry point, the same server and flags as `vllm serve M`."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.serve import add_server_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog="python -m vllm.entrypoints.openai.api_server",
+        description="The OpenAI-compatible server (the same as `vllm serve`).")
+    EngineArgs.add_cli_args(add_server_args(parser))
+    args = parser.parse_args(None if argv is None else list(argv))
+    try:
+        return run_server(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
