@@ -214,3 +214,33 @@ def test_a_failed_build_is_raised_to_the_caller():
         AsyncLLM(build_engine=build)
     with pytest.raises(TypeError, match="exactly one"):
         AsyncLLM()
+
+
+def test_upstream_async_names_on_a_real_engine():
+    """`from vllm import AsyncLLMEngine, AsyncEngineArgs, TokensPrompt, TextPrompt` and
+    upstream's `async for out in engine.generate(prompt, params, request_id)`: the outputs
+    equal the offline LLM's."""
+    from vllm import LLM, AsyncEngineArgs, AsyncLLMEngine, TextPrompt, TokensPrompt
+
+    params = SamplingParams(max_tokens=6, temperature=0)
+    llm = LLM(model="demo", optimization_level=0, max_model_len=64)
+    expected = llm.generate("def f(", params, use_tqdm=False)[0].outputs[0]
+    ids = llm.get_tokenizer().encode("def f(")
+    llm.llm_engine.shutdown()
+
+    async def run(engine):
+        finals = []
+        for i, prompt in enumerate([TextPrompt(prompt="def f("),
+                                    TokensPrompt(prompt_token_ids=ids)]):
+            outputs = [out async for out in engine.generate(prompt, params, f"r{i}")]
+            finals.append(outputs[-1])
+        return finals
+
+    engine = AsyncLLMEngine.from_engine_args(
+        AsyncEngineArgs(model="demo", optimization_level=0, max_model_len=64))
+    try:
+        finals = asyncio.run(run(engine))
+    finally:
+        engine.shutdown()
+    assert all(f.finished and f.outputs[0].token_ids == expected.token_ids for f in finals)
+    assert finals[0].outputs[0].text == expected.text

@@ -332,3 +332,8 @@ def _kv_cache_memory(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive size such as 4GiB, got {text!r}")
     return value
 
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """Upstream's argument class for the async engine (`AsyncLLMEngine.from_engine_args`):
+    the same settings."""

@@ -494,3 +494,7 @@ class AsyncLLM:
 def _put_many(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, item in items:
         stream._put(item)
+
+
+# Upstream's name for the same class (its V1 engine is also AsyncLLM under this alias).
+AsyncLLMEngine = AsyncLLM
