@@ -229,6 +229,33 @@ def test_upstream_model_and_parallel_flags(tiny):
         from_argv("--model", tiny, "--data-parallel-size", "2").create_engine_config()
 
 
+def test_upstream_compat_args_accepted_off_or_refused_by_name(tiny, caplog):
+    """Scripts pass upstream's arguments explicitly (quantization=args.quantization, seed=None,
+    revision=..., swap_space=...): accepted where they change nothing here (a warning for the
+    ignored ones), refused by name where they ask for a missing feature."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        config = EngineArgs(model=tiny, quantization=None, seed=None, revision="main",
+                            download_dir="/tmp", swap_space=8, cpu_offload_gb=0,
+                            enable_lora=False, async_scheduling=False,
+                            model_impl="auto").create_engine_config()
+    assert config.model_config.seed == 0
+    assert "revision='main' is ignored" in caplog.text and "swap_space is ignored" in caplog.text
+    for kwargs, match in [({"quantization": "fp8"}, "no online quantization"),
+                          ({"enable_lora": True}, "enable_lora=True .* no LoRA"),
+                          ({"cpu_offload_gb": 4}, "cpu_offload_gb=4"),
+                          ({"model_impl": "transformers"}, "model_impl='transformers'")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(model=tiny, **kwargs).create_engine_config()
+    args = from_argv("--model", tiny, "--revision", "main", "--swap-space", "2",
+                     "--hf-overrides", '{"rope_theta": 1234.0}', "--no-async-scheduling")
+    assert (args.revision, args.swap_space, args.async_scheduling) == ("main", 2.0, False)
+    overridden = args.create_engine_config()
+    assert overridden.model_config.hf_config.rope_theta == 1234.0
+    assert overridden.model_config.compute_hash() != config.model_config.compute_hash()
+
+
 def test_several_served_model_names(tiny):
     """`--served-model-name a b` (nargs=+ as upstream): all accepted, the first reported."""
     config = from_argv("--model", tiny, "--served-model-name", "main",

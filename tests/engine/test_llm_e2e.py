@@ -274,6 +274,19 @@ def test_token_prompts_and_chat(llm, hf_greedy, tokenizer):
     outs = llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]],
                     greedy(2), use_tqdm=False)
     assert len(outs) == 2
+    # OpenAI-style content parts render as their text (they rendered as a list's repr).
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+                     greedy(4), use_tqdm=False)[0]
+    assert parts.prompt_token_ids == out.prompt_token_ids
+    with pytest.raises(ValueError, match=r"conversation 0: .*content\[0\]: only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], use_tqdm=False)
+
+
+def test_reset_prefix_cache(llm):
+    llm.generate(PROMPTS[2], greedy(), use_tqdm=False)
+    assert llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0].num_cached_tokens == 0
 
 
 def test_prompt_too_long_fails_alone(llm, hf_greedy):

@@ -236,11 +236,19 @@ def test_upstream_async_names_on_a_real_engine():
             finals.append(outputs[-1])
         return finals
 
+    async def accessors(engine):
+        assert (await engine.get_tokenizer()) is engine.tokenizer
+        assert (await engine.get_model_config()).max_model_len == 64
+        assert (await engine.get_vllm_config()).optimization_level == 0
+        return await engine.reset_prefix_cache()
+
     engine = AsyncLLMEngine.from_engine_args(
         AsyncEngineArgs(model="demo", optimization_level=0, max_model_len=64))
     try:
         finals = asyncio.run(run(engine))
+        assert asyncio.run(accessors(engine)) is True and not engine.is_stopped
     finally:
         engine.shutdown()
+    assert engine.is_stopped
     assert all(f.finished and f.outputs[0].token_ids == expected.token_ids for f in finals)
     assert finals[0].outputs[0].text == expected.text

@@ -70,6 +70,9 @@ class ModelConfig:
     override_generation_config: dict[str, Any] | None = None
     """Default sampling parameters set over those of `generation_config` (its key names:
     temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)."""
+    hf_overrides: dict[str, Any] | None = None
+    """Values set on the Hugging Face config after it is read (a dict value updates a nested
+    config such as text_config), as upstream's hf_overrides."""
     hf_config: Any = field(default=None, repr=False, compare=False)
     """A transformers PretrainedConfig given directly (tests); otherwise read from the folder."""
     torch_dtype: Any = field(default=None, init=False, repr=False, compare=False)
@@ -84,6 +87,10 @@ class ModelConfig:
         if self.hf_config is None:
             self.model = resolve_model_path(self.model)
             self.hf_config = _load_hf_config(self.model, self.trust_remote_code)
+        if self.hf_overrides:
+            if not isinstance(self.hf_overrides, dict):
+                raise ValueError(f"hf_overrides must be a dict, got {self.hf_overrides!r}")
+            _apply_overrides(self.hf_config, self.hf_overrides, "hf_overrides")
         if self.tokenizer is None:
             self.tokenizer = self.model
         limit = self.derived_max_model_len()
@@ -297,6 +304,15 @@ class ModelConfig:
 @dataclass
 class _Hashable:
     data: dict
+
+
+def _apply_overrides(config: Any, overrides: dict[str, Any], where: str) -> None:
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            _apply_overrides(current, value, f"{where}.{key}")
+        else:
+            setattr(config, key, value)
 
 
 def _load_hf_config(path: str, trust_remote_code: bool):

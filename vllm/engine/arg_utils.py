@@ -26,6 +26,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.model import TOKENIZER_MODES
+from vllm.logger import init_logger
 from vllm.utils.argparse_utils import (
     human_int,
     json_dict_type,
@@ -74,7 +75,21 @@ def _mode_shorthand(value: Any) -> int | None:
     return None
 
 
+logger = init_logger(__name__)
+
 _generation_overrides = json_dict_type("--override-generation-config")
+_hf_overrides = json_dict_type("--hf-overrides")
+
+# upstream argument -> (the values accepted: the feature off, what this engine lacks)
+COMPAT_ARGS: dict[str, tuple[tuple, str]] = {
+    "cpu_offload_gb": ((0, 0.0), "CPU weight offloading"),
+    "enable_lora": ((False,), "LoRA adapters"),
+    "enable_sleep_mode": ((False,), "sleep mode"),
+    "skip_tokenizer_init": ((False,), "tokenizer-free mode"),
+    "disable_sliding_window": ((False,), "switch to drop sliding windows"),
+    "async_scheduling": ((None, False), "asynchronous scheduling"),
+    "model_impl": (("auto", "vllm"), "Transformers-backend model implementation"),
+}
 
 # Upstream keyword spellings taken as another field's name (LLM(kv_cache_memory_bytes=...)).
 ENGINE_ARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
@@ -116,6 +131,21 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     disable_log_stats: bool = False
+    # upstream's arguments for what a local-folder model ignores, or for features this
+    # engine leaves out (accepted only "off"; see COMPAT_ARGS)
+    quantization: str | None = None
+    hf_overrides: dict | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    swap_space: float = 4.0
+    cpu_offload_gb: float = 0.0
+    enable_lora: bool = False
+    enable_sleep_mode: bool = False
+    skip_tokenizer_init: bool = False
+    disable_sliding_window: bool = False
+    async_scheduling: bool | None = None
+    model_impl: str = "auto"
 
     # ---- command line ---------------------------------------------------------------------
     @staticmethod
@@ -237,7 +267,51 @@ class EngineArgs:
                            help="uni: one process; mp: one process per rank.")
         sched.add_argument("--disable-log-stats", action="store_true",
                            help="Do not log engine statistics.")
+        compat = parser.add_argument_group(
+            "upstream compatibility",
+            "upstream's flags for what a local model folder ignores, or for features this "
+            "engine leaves out (accepted only at their 'off' value)")
+        compat.add_argument("--quantization", "-q", default=d.quantization,
+                            help="Must be the checkpoint's own quantization (e.g. fp8) or "
+                            "unset: there is no online quantization.")
+        compat.add_argument("--hf-overrides", type=_hf_overrides, default=d.hf_overrides,
+                            help="JSON: values set on the model's Hugging Face config, e.g. "
+                            "'{\"rope_theta\": 20000}'.")
+        for flag in ("--revision", "--tokenizer-revision", "--download-dir"):
+            compat.add_argument(flag, default=None, help="Ignored: models are local folders.")
+        compat.add_argument("--swap-space", type=float, default=d.swap_space,
+                            help="Ignored: preempted requests are recomputed, never swapped.")
+        compat.add_argument("--cpu-offload-gb", type=float, default=d.cpu_offload_gb,
+                            help="Only 0 (no weight offloading).")
+        for flag in ("--enable-lora", "--enable-sleep-mode", "--skip-tokenizer-init",
+                     "--disable-sliding-window"):
+            compat.add_argument(flag, action="store_true", help="Not supported (only off).")
+        compat.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                            default=d.async_scheduling, help="Only off.")
+        compat.add_argument("--model-impl", default=d.model_impl,
+                            help="auto or vllm: this engine's own model code.")
         return parser
+
+    def _check_compat_args(self, model_config: ModelConfig) -> None:
+        """COMPAT_ARGS: ignored ones warn when set; left-out features must be off."""
+        for name, (accepted, what) in COMPAT_ARGS.items():
+            value = getattr(self, name)
+            if value not in accepted:
+                raise ValueError(f"{name}={value!r} is not supported: this engine has no "
+                                 f"{what} (accepted: {', '.join(map(repr, accepted))})")
+        for name in ("revision", "tokenizer_revision", "download_dir"):
+            if getattr(self, name) is not None:
+                logger.warning_once("%s=%r is ignored: models are local folders", name,
+                                    getattr(self, name))
+        if self.swap_space != EngineArgs.swap_space:
+            logger.warning_once("swap_space is ignored: preempted requests are recomputed, "
+                                "never swapped out")
+        if self.quantization is not None and self.quantization != model_config.quant_method:
+            have = model_config.quant_method
+            theirs = repr(have) if have else "none (leave quantization unset)"
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported: this engine has no "
+                f"online quantization; the checkpoint's is {theirs}")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -282,12 +356,14 @@ class EngineArgs:
         and the resolved VllmConfig. Raises ValueError with a clear message on bad input."""
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-            max_model_len=self.max_model_len, seed=self.seed,
+            max_model_len=self.max_model_len, seed=0 if self.seed is None else self.seed,
+            hf_overrides=self.hf_overrides,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code, enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs, tokenizer_mode=self.tokenizer_mode,
             generation_config=self.generation_config,
             override_generation_config=self.override_generation_config)
+        self._check_compat_args(model_config)
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory=self._kv_cache_memory(),

@@ -72,6 +72,13 @@ class _Abort:
     notify: bool  # end the streams with finish_reason "abort" (False: nobody is listening)
 
 
+@dataclasses.dataclass
+class _Call:
+    """Run `fn(engine)` in the engine thread between steps; its result goes to `done`."""
+    fn: Callable[[Any], Any]
+    done: concurrent.futures.Future
+
+
 class RequestStream:
     """The outputs of one request, read on the event loop that added it.
 
@@ -231,6 +238,28 @@ class AsyncLLM:
         stats["num_in_flight"] = self.num_in_flight
         return stats
 
+    # upstream's async accessors (`await engine.get_tokenizer()` ...)
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def get_model_config(self) -> Any:
+        return self.model_config
+
+    async def get_vllm_config(self) -> Any:
+        return self.vllm_config
+
+    @property
+    def is_stopped(self) -> bool:
+        return not self.is_running
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the cached prefix blocks (in the engine thread, between steps); False when
+        requests still hold blocks."""
+        self.check_health()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(lambda engine: engine.reset_prefix_cache(), done))
+        return await asyncio.wrap_future(done)
+
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine thread is gone."""
         if self._dead is not None:
@@ -358,6 +387,8 @@ class AsyncLLM:
                         stop = True
                     elif isinstance(command, _Add):
                         self._handle_add(command)
+                    elif isinstance(command, _Call):
+                        self._handle_call(command)
                     else:
                         self._handle_abort(command)
                 if stop:
@@ -393,6 +424,12 @@ class AsyncLLM:
             command.done.set_exception(exc)
             return
         command.done.set_result(None)
+
+    def _handle_call(self, command: _Call) -> None:
+        try:
+            command.done.set_result(command.fn(self.engine))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            command.done.set_exception(exc)
 
     def _handle_abort(self, command: _Abort) -> None:
         aborted = []

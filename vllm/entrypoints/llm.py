@@ -46,6 +46,10 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.get_default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the cached prefix blocks (False if a running request still holds some)."""
+        return self.llm_engine.reset_prefix_cache()
+
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -90,8 +94,14 @@ class LLM:
         if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template=... or "
                              "use generate()")
+        from vllm.entrypoints.openai.protocol import OpenAIError, normalize_messages
+
         prompts = []
-        for conversation in conversations:
+        for index, conversation in enumerate(conversations):
+            try:  # OpenAI-style content parts become text, as the server renders them
+                conversation = normalize_messages(conversation)
+            except OpenAIError as exc:
+                raise ValueError(f"conversation {index}: {exc.message}") from None
             text = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
