@@ -150,3 +150,15 @@ def test_hash_covers_graph_relevant_fields_only():
     other_dtype = model_configs.dense()
     other_dtype.dtype = "bfloat16"
     assert VllmConfig(model_config=other_dtype).compute_hash() != base
+
+
+def test_deprecated_level_key_reads_as_mode(caplog):
+    """Upstream's old `compilation_config={"level": N}` (same numbers as mode): accepted with a
+    deprecation warning; an explicit mode wins."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        assert CompilationConfig.from_dict({"level": 0}).mode == CompilationMode.NONE
+        assert CompilationConfig.from_dict({"level": 0, "mode": 3}).mode == \
+            CompilationMode.VLLM_COMPILE
+    assert "compilation_config.level is deprecated" in caplog.text

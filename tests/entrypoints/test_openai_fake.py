@@ -583,3 +583,26 @@ def test_requests_are_not_logged_by_default(url, caplog):
     with caplog.at_level(logging.INFO, logger="vllm"):
         assert post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1}).status_code == 200
     assert "Received request" not in caplog.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "a", "guided_json": {"type": "object"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "structured_outputs": {"choice": ["x", "y"]}}),
+    ("/v1/completions", {"prompt": "a", "use_beam_search": True}),
+])
+def test_requests_for_missing_features_are_refused_not_ignored(url, path, body):
+    resp = post(url, path, {**body, "max_tokens": 2})
+    assert resp.status_code == 400, resp.text
+    param = resp.json()["error"]["param"]
+    assert param in body and "not supported" in resp.json()["error"]["message"]
+
+
+def test_unknown_request_fields_are_logged_as_ignored(url, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        resp = post(url, "/v1/completions", {"prompt": "a", "max_tokens": 1,
+                                             "use_beam_search": False, "frobnicate": 1})
+    assert resp.status_code == 200
+    assert "ignored: ['frobnicate', 'use_beam_search']" in caplog.text

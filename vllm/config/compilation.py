@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config.utils import check_bool_fields, config_from_dict, hash_fields
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class CompilationMode(enum.IntEnum):
@@ -266,7 +269,14 @@ class CompilationConfig:
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "compilation_config") -> CompilationConfig:
-        """Build from a JSON-like dict; unknown keys are an error naming the closest key."""
+        """Build from a JSON-like dict; unknown keys are an error naming the closest key.
+        Upstream's deprecated `level` (the same numbers as `mode`) is read as `mode`."""
+        if isinstance(data, dict) and "level" in data:
+            data = dict(data)
+            level = data.pop("level")
+            logger.warning_once("%s.level is deprecated: use mode (the same numbers)%s", path,
+                                "; mode is given too and wins" if "mode" in data else "")
+            data.setdefault("mode", level)
         return config_from_dict(cls, data, path, nested={"pass_config": PassConfig})
 
     def is_custom_op_enabled(self, name: str) -> bool:

@@ -12,6 +12,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import ValidationError as PydanticValidationError
 
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
 __all__ = [
     "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "OpenAIError",
     "StreamOptions", "TokenizeRequest", "error_body", "from_validation_error", "parse_request",
@@ -261,10 +265,31 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# vLLM request fields for features this server lacks: refused when set, never ignored (an
+# unconstrained answer to a request for JSON would look like success).
+_UNSUPPORTED_FIELDS = {
+    "structured_outputs": "structured outputs", "guided_json": "structured outputs",
+    "guided_regex": "structured outputs", "guided_choice": "structured outputs",
+    "guided_grammar": "structured outputs", "guided_whitespace_pattern": "structured outputs",
+    "use_beam_search": "beam search", "bad_words": "bad_words",
+    "truncate_prompt_tokens": "prompt truncation", "logits_processors": "logits processors",
+}
+
+
 def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
-    """Validate a decoded JSON body; OpenAIError (400) naming the field on failure."""
+    """Validate a decoded JSON body; OpenAIError (400) naming the field on failure. Fields
+    this server does not know are logged as ignored (as upstream); those of features it lacks
+    (_UNSUPPORTED_FIELDS) are a 400 when set."""
     if not isinstance(data, dict):
         raise OpenAIError("the request body must be a JSON object", 400)
+    unknown = [key for key in data if key not in model_cls.model_fields]
+    for key in unknown:
+        if key in _UNSUPPORTED_FIELDS and data[key] not in (None, False, [], {}):
+            raise OpenAIError(f"{key} is not supported: this server has no "
+                              f"{_UNSUPPORTED_FIELDS[key]}", 400, key)
+    if unknown:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       sorted(unknown))
     try:
         return model_cls.model_validate(data)
     except PydanticValidationError as exc:
