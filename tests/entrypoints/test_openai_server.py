@@ -313,6 +313,39 @@ def test_echo_with_logprobs_covers_the_prompt(client, llm):
     assert streamed["text_offset"] == lp.text_offset
 
 
+def test_prompt_logprobs_and_token_ids_in_responses(client, llm):
+    """vLLM's prompt_logprobs=N and return_token_ids: the prompt's logprobs (the first None)
+    equal the offline engine's; the prompt's and the choice's token ids come back."""
+    from vllm import SamplingParams
+
+    ids = llm.get_tokenizer().encode(PROMPT)
+    ref = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                    extra_body={"prompt_logprobs": 2, "return_token_ids": True,
+                                                "ignore_eos": True})
+    choice = out.choices[0].model_extra
+    assert choice["prompt_token_ids"] == ids
+    assert choice["token_ids"] == list(ref.outputs[0].token_ids)
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for pos in range(1, len(ids)):
+        entry = plp[pos]
+        assert str(ids[pos]) in entry and len(entry) <= 3
+        assert entry[str(ids[pos])]["logprob"] == pytest.approx(
+            ref.prompt_logprobs[pos][ids[pos]].logprob, abs=1e-4)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        temperature=0, extra_body={"return_token_ids": True, "prompt_logprobs": 1})
+    extra = chat.model_extra
+    assert len(extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    assert len(extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 31})
+
+
 def test_tokenize_counts_what_completions_count(server, client, llm):
     ids = llm.get_tokenizer().encode(PROMPT)
     body = httpx.post(server.url + "/tokenize", headers=AUTH, timeout=10,

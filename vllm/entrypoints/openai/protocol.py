@@ -126,6 +126,10 @@ class _SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, StrictFloat] | None = None
     allowed_token_ids: list[StrictInt] | None = None
     request_id: StrictStr | None = None
+    prompt_logprobs: StrictInt | None = None
+    """vLLM's: the top-N logprobs of every prompt token (the first one None)."""
+    return_token_ids: StrictBool | None = None
+    """vLLM's: add the prompt's and each choice's token ids to the response."""
 
     def check_stream_options(self) -> None:
         """As upstream: stream_options only go with stream=true (400 otherwise)."""

@@ -117,8 +117,10 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt), request.output_budget(), "messages",
                                              budget_param)
         num_logprobs = (top or 0) if request.logprobs else None
-        params = self.sampling_params(request.sampling_kwargs(self.default_sampling),
-                                      max_tokens, num_logprobs)
+        kwargs = request.sampling_kwargs(self.default_sampling)
+        if self.check_prompt_logprobs(request) is not None:
+            kwargs["prompt_logprobs"] = request.prompt_logprobs
+        params = self.sampling_params(kwargs, max_tokens, num_logprobs)
         base_id = random_id("chatcmpl")
         created = int(time.time())
         role, echo = reply_role_and_echo(request, self.options.response_role)
@@ -129,27 +131,32 @@ class OpenAIServingChat(OpenAIServing):
                              echo),
                 streams, self)
         finals = await self.collect(streams, raw_request)
-        return self._response(request, finals[0], len(prompt), base_id, created, model, role,
-                              echo)
+        return self._response(request, finals[0], prompt, base_id, created, model, role, echo)
 
     def _response(self, request: ChatCompletionRequest, final: RequestOutput,
-                  prompt_tokens: int, base_id: str, created: int, model: str, role: str,
+                  prompt: list[int], base_id: str, created: int, model: str, role: str,
                   echo: str) -> dict:
         choices = []
         completion_tokens = 0
+        prompt_tokens = len(prompt)
+        top_level: dict[str, Any] = {}  # vLLM's prompt_logprobs / prompt_token_ids
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
             logprobs = None
             if request.logprobs:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs,
                                               request.top_logprobs or 0)
+            extra = self.extra_choice_fields(request, final, prompt, c.token_ids, first=True)
+            top_level.update((key, extra.pop(key)) for key in ("prompt_logprobs",
+                                                               "prompt_token_ids")
+                             if key in extra)
             choices.append({"index": c.index,
                             "message": {"role": role, "content": echo + c.text},
                             "logprobs": logprobs, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+                            "stop_reason": c.stop_reason, **extra})
         choices.sort(key=lambda ch: ch["index"])
         return {"id": base_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices,
+                "choices": choices, **top_level,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
 
@@ -202,10 +209,13 @@ class OpenAIServingChat(OpenAIServing):
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         finished.add(c.index)
-                    choices.append({"index": c.index,
-                                    "delta": {"content": delta} if delta else {},
-                                    "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
+                    choice = {"index": c.index,
+                              "delta": {"content": delta} if delta else {},
+                              "logprobs": logprobs, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}
+                    if request.return_token_ids:
+                        choice["token_ids"] = list(new_ids)
+                    choices.append(choice)
                 for choice in choices:
                     yield chunk([choice])
             if include_usage:

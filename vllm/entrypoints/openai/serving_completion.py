@@ -169,6 +169,34 @@ class OpenAIServing:
             raise
         return streams
 
+    def check_prompt_logprobs(self, request: Any) -> int | None:
+        """The request's prompt_logprobs; a 400 naming it outside [0, --max-logprobs]."""
+        wanted = request.prompt_logprobs
+        if wanted is not None and not 0 <= wanted <= self.max_logprobs:
+            raise OpenAIError(f"prompt_logprobs must be between 0 and {self.max_logprobs} "
+                              f"(the server's --max-logprobs), got {wanted}", 400,
+                              "prompt_logprobs")
+        return wanted
+
+    def extra_choice_fields(self, request: Any, output: RequestOutput, prompt_ids: list[int],
+                            token_ids: Any, first: bool) -> dict:
+        """vLLM's optional choice fields: prompt_logprobs (prompt_logprobs=N) and
+        prompt_token_ids / token_ids (return_token_ids); the prompt's only with a choice's
+        first chunk."""
+        extra: dict[str, Any] = {}
+        if request.prompt_logprobs is not None and first:
+            extra["prompt_logprobs"] = [
+                None if entry is None else {
+                    str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                               "decoded_token": lp.decoded_token}
+                    for tid, lp in entry.items()}
+                for entry in _prompt_entries(output, len(prompt_ids))]
+        if request.return_token_ids:
+            if first:
+                extra["prompt_token_ids"] = list(prompt_ids)
+            extra["token_ids"] = list(token_ids)
+        return extra
+
     def log_request(self, request_id: str, prompt_ids: list[int], params: Any) -> None:
         """One line per request (--enable-log-requests), the prompt cut to --max-log-len."""
         limit = self.options.max_log_len
@@ -382,9 +410,12 @@ class OpenAIServingCompletion(OpenAIServing):
         longest = max(len(p) for p in prompts)
         max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
         kwargs = request.sampling_kwargs(self.default_sampling)
+        wanted = self.check_prompt_logprobs(request)
         if request.echo and request.logprobs is not None:
             # The echoed prompt's tokens get logprobs too (the first one None), as in vLLM.
-            kwargs["prompt_logprobs"] = request.logprobs
+            wanted = max(wanted or 0, request.logprobs)
+        if wanted is not None:
+            kwargs["prompt_logprobs"] = wanted
         params = self.sampling_params(kwargs, max_tokens, request.logprobs)
         base_id = random_id("cmpl")
         created = int(time.time())
@@ -413,9 +444,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         _prompt_entries(final, len(prompts[i])) + list(c.logprobs or []), 0)
                 elif request.logprobs is not None:
                     logprobs = self.completion_logprobs(c.token_ids, c.logprobs, 0)
-                choices.append({"index": i * n + c.index, "text": prefix + c.text,
-                                "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                choice = {"index": i * n + c.index, "text": prefix + c.text,
+                          "logprobs": logprobs, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                choice.update(self.extra_choice_fields(request, final, prompts[i],
+                                                       c.token_ids, first=True))
+                choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         prompt_tokens = sum(len(p) for p in prompts)
         return {"id": base_id, "object": "text_completion", "created": created, "model": model,
@@ -472,9 +506,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         finished.add(index)
-                    choices.append({"index": index, "text": prefix + delta,
-                                    "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                    "stop_reason": c.stop_reason})
+                    choice = {"index": index, "text": prefix + delta, "logprobs": logprobs,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    choice.update(self.extra_choice_fields(request, output, prompts[i],
+                                                           new_ids, first))
+                    choices.append(choice)
                 for choice in choices:  # one per chunk, as vLLM streams
                     chunk = {"id": base_id, "object": "text_completion", "created": created,
                              "model": model, "choices": [choice]}
