@@ -268,12 +268,25 @@ def test_metrics_after_traffic(server, client):
     before = metrics(server)
     gen0 = metric_value(before, "vllm:generation_tokens_total") or 0
     ttft0 = metric_value(before, "vllm:time_to_first_token_seconds_count") or 0
+    itl0 = metric_value(before, "vllm:inter_token_latency_seconds_count") or 0
+    req_gen0 = metric_value(before, "vllm:request_generation_tokens_sum") or 0
+    queries0 = metric_value(before, "vllm:prefix_cache_queries_total") or 0
+    hits0 = metric_value(before, "vllm:prefix_cache_hits_total") or 0
     for _ in range(4):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=300, temperature=0,
                                   extra_body={"ignore_eos": True})
     text = wait_pool_free(server)
     assert metric_value(text, "vllm:generation_tokens_total") - gen0 == 1200
     assert metric_value(text, "vllm:time_to_first_token_seconds_count") - ttft0 == 4
+    # every token after a request's first is one inter-token interval (old name too)
+    assert metric_value(text, "vllm:inter_token_latency_seconds_count") - itl0 == 4 * 299
+    assert metric_value(text, "vllm:time_per_output_token_seconds_count") == \
+        metric_value(text, "vllm:inter_token_latency_seconds_count")
+    assert metric_value(text, "vllm:request_generation_tokens_sum") - req_gen0 == 1200
+    assert metric_value(text, "vllm:prefix_cache_queries_total") > queries0
+    assert metric_value(text, "vllm:prefix_cache_hits_total") > hits0  # the same prompt 4x
+    assert metric_value(text, "vllm:gpu_cache_usage_perc") == 0.0
+    assert 'vllm:cache_config_info{model_name="tiny",block_size="16"' in text
     assert 'vllm:startup_phase_seconds{model_name="tiny",phase=' in text
     assert metric_value(text, "vllm:kv_cache_usage_perc") == 0.0
 

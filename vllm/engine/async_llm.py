@@ -51,7 +51,10 @@ class StatObserver(Protocol):
 
     def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
 
-    def on_finished(self, finish_reason: str, e2e_s: float) -> None: ...
+    def on_inter_token(self, seconds: float, num_tokens: int) -> None: ...
+
+    def on_finished(self, finish_reason: str, e2e_s: float, num_prompt_tokens: int,
+                    num_generation_tokens: int) -> None: ...
 
 
 _STOP = object()
@@ -97,6 +100,7 @@ class RequestStream:
         # Engine-thread bookkeeping (only the engine thread reads or writes these).
         self._num_tokens_seen = 0
         self._first_token_seen = False
+        self._last_token_time: float | None = None
 
     # -- called on the event loop ----------------------------------------------------------
     def _put(self, item: RequestOutput | BaseException) -> None:
@@ -331,7 +335,8 @@ class AsyncLLM:
             return
         now = time.monotonic()
         for stream in streams:
-            self.stat_observer.on_finished("abort", now - stream.arrival_time)
+            self.stat_observer.on_finished("abort", now - stream.arrival_time, 0,
+                                           stream._num_tokens_seen)
 
     async def wait_for_idle(self, timeout: float, poll_s: float = 0.05) -> bool:
         """Wait until no request is in flight; False if `timeout` seconds passed first."""
@@ -478,12 +483,17 @@ class AsyncLLM:
             stream._first_token_seen = True
             num_prompt = len(output.prompt_token_ids or [])
             observer.on_first_token(now - stream.arrival_time)
+        elif new_tokens > 0 and stream._last_token_time is not None:
+            observer.on_inter_token(now - stream._last_token_time, new_tokens)
         if new_tokens or num_prompt:
             observer.on_tokens(num_prompt, max(new_tokens, 0))
+        if new_tokens > 0:
+            stream._last_token_time = now
         stream._num_tokens_seen = num_tokens
         if output.finished:
             reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-            observer.on_finished(reasons[0] if reasons else "stop", now - stream.arrival_time)
+            observer.on_finished(reasons[0] if reasons else "stop", now - stream.arrival_time,
+                                 len(output.prompt_token_ids or []), num_tokens)
 
     def _abort_all(self, why: str) -> None:
         with self._lock:

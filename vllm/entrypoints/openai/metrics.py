@@ -21,6 +21,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 RATE_WINDOW_S = 10.0
 
 
@@ -74,6 +77,9 @@ class ServerMetrics:
         self.finished: collections.Counter[str] = collections.Counter()
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.request_prompt_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_COUNT_BUCKETS)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.start_time = time.time()
 
@@ -91,10 +97,21 @@ class ServerMetrics:
                 self._recent.append((now, num_generation_tokens))
             self._trim(now)
 
-    def on_finished(self, finish_reason: str, e2e_s: float) -> None:
+    def on_inter_token(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` tokens arrived `seconds` after the request's previous ones: each
+        counts as one interval of seconds / num_tokens."""
+        with self._lock:
+            for _ in range(num_tokens):
+                self.itl.observe(seconds / num_tokens)
+
+    def on_finished(self, finish_reason: str, e2e_s: float, num_prompt_tokens: int = 0,
+                    num_generation_tokens: int = 0) -> None:
         with self._lock:
             self.finished[finish_reason] += 1
             self.e2e.observe(e2e_s)
+            if num_prompt_tokens:  # (not known for a request aborted before it ran)
+                self.request_prompt_tokens.observe(num_prompt_tokens)
+                self.request_generation_tokens.observe(num_generation_tokens)
 
     # ---- reading -------------------------------------------------------------------------
     def _trim(self, now: float) -> None:
@@ -135,20 +152,43 @@ class ServerMetrics:
         gauge("vllm:num_requests_in_flight", "Requests the server is streaming or waiting on.",
               stats.get("num_in_flight"))
         if free is not None and total:
-            usage = stats.get("kv_cache_usage", 1.0 - free / total)
-            gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 means full).", float(usage))
+            usage = float(stats.get("kv_cache_usage", 1.0 - free / total))
+            gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 means full).", usage)
+            gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 means full); the old name "
+                  "of vllm:kv_cache_usage_perc.", usage)
         gauge("vllm:kv_cache_free_blocks", "Free KV-cache blocks.", free)
         gauge("vllm:kv_cache_total_blocks", "KV-cache blocks in the pool.", total)
-        for key, name in (("num_preemptions", "vllm:num_preemptions_total"),):
+        for key, name, help_text in (
+                ("num_preemptions", "vllm:num_preemptions_total", "Preemptions by the scheduler."),
+                ("prefix_cache_queries", "vllm:prefix_cache_queries_total",
+                 "Prompt tokens looked up in the prefix cache."),
+                ("prefix_cache_hits", "vllm:prefix_cache_hits_total",
+                 "Prompt tokens found in the prefix cache.")):
             if stats.get(key) is not None:
-                metric(name, "counter", "Preemptions by the scheduler.", [("", stats[key])])
+                metric(name, "counter", help_text, [("", stats[key])])
+        if stats.get("block_size") is not None and total:
+            metric("vllm:cache_config_info", "gauge", "The KV cache's settings (labels).",
+                   [(f'block_size="{stats["block_size"]}",num_gpu_blocks="{total}"', 1)])
 
         with self._lock:
             prompt_total = self.prompt_tokens_total
             gen_total = self.generation_tokens_total
             finished = dict(self.finished)
-            ttft_lines = self.ttft.lines("vllm:time_to_first_token_seconds", labels)
-            e2e_lines = self.e2e.lines("vllm:e2e_request_latency_seconds", labels)
+            histograms = [
+                ("vllm:time_to_first_token_seconds", "Time to first token.", self.ttft),
+                ("vllm:e2e_request_latency_seconds", "Request latency, arrival to end.",
+                 self.e2e),
+                ("vllm:inter_token_latency_seconds", "Time between a request's tokens.",
+                 self.itl),
+                ("vllm:time_per_output_token_seconds",
+                 "Time between a request's tokens (the old name of "
+                 "vllm:inter_token_latency_seconds).", self.itl),
+                ("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                 self.request_prompt_tokens),
+                ("vllm:request_generation_tokens", "Generated tokens per finished request.",
+                 self.request_generation_tokens)]
+            histogram_lines = [(name, help_text, h.lines(name, labels))
+                               for name, help_text, h in histograms]
         metric("vllm:prompt_tokens_total", "counter", "Prefilled prompt tokens.",
                [("", prompt_total)])
         metric("vllm:generation_tokens_total", "counter", "Generated tokens.",
@@ -158,12 +198,10 @@ class ServerMetrics:
               self.generation_tokens_per_second())
         metric("vllm:request_success_total", "counter", "Finished requests by finish reason.",
                [(f'finished_reason="{_escape(r)}"', n) for r, n in sorted(finished.items())])
-        out.append("# HELP vllm:time_to_first_token_seconds Time to first token.")
-        out.append("# TYPE vllm:time_to_first_token_seconds histogram")
-        out.extend(ttft_lines)
-        out.append("# HELP vllm:e2e_request_latency_seconds Request latency, arrival to end.")
-        out.append("# TYPE vllm:e2e_request_latency_seconds histogram")
-        out.extend(e2e_lines)
+        for name, help_text, lines in histogram_lines:
+            out.append(f"# HELP {name} {help_text}")
+            out.append(f"# TYPE {name} histogram")
+            out.extend(lines)
         if startup_phases:
             metric("vllm:startup_phase_seconds", "gauge", "Seconds spent in each start-up phase.",
                    [(f'phase="{_escape(str(p))}"', float(s)) for p, s in startup_phases.items()])
