@@ -142,3 +142,17 @@ def test_latency_percentiles_interpolate_like_numpy():
     values = [0.3, 0.1, 0.7, 0.2, 0.9]
     for p in PERCENTILES:
         assert _percentile(values, p) == pytest.approx(float(np.percentile(values, p)))
+
+
+def test_bench_throughput(llama, tmp_path):
+    """`vllm bench throughput` (upstream's offline benchmark, random prompts): every request
+    runs to its output length; the JSON has upstream's keys and consistent rates."""
+    out_json = tmp_path / "throughput.json"
+    stdout = vllm("bench", "throughput", "--model", llama, "-O0", "--num-prompts", "6",
+                  "--input-len", "8", "--output-len", "4", "--max-model-len", "64",
+                  "--kv-cache-memory", "16MiB", "--output-json", str(out_json))
+    result = json.loads(out_json.read_text())
+    assert result["num_requests"] == 6 and result["total_num_tokens"] == 6 * (8 + 4)
+    assert result["requests_per_second"] == pytest.approx(6 / result["elapsed_time"])
+    assert result["tokens_per_second"] == pytest.approx(72 / result["elapsed_time"])
+    assert "Throughput:" in stdout and "requests/s" in stdout

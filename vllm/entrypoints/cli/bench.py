@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "vllm.benchmarks.serve",
     "startup": "vllm.benchmarks.startup",
     "latency": "vllm.benchmarks.latency",
+    "throughput": "vllm.benchmarks.throughput",
 }
 
 
