@@ -293,3 +293,13 @@ def test_boolean_flags_and_lists(caplog):
 
 def test_negative_number_value_is_not_a_dotted_key():
     assert parse("--gpu-memory-utilization", "-0.5").gpu_memory_utilization == -0.5
+
+
+def test_upstream_utility_import_paths():
+    """`from vllm.utils import FlexibleArgumentParser, random_uuid` (upstream's paths)."""
+    from vllm.utils import FlexibleArgumentParser, random_uuid
+    from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser
+
+    assert FlexibleArgumentParser is Parser
+    ids = {random_uuid() for _ in range(3)}
+    assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

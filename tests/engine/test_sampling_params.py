@@ -57,3 +57,4 @@ def test_stop_string_hold_back():
     assert SamplingParams(stop=["ab", "xyz"]).output_text_buffer_length == 2
     assert SamplingParams(stop=["xyz"], include_stop_str_in_output=True) \
         .output_text_buffer_length == 0
+

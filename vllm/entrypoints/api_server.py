@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import sys
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from fastapi import Request
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError
 from vllm.entrypoints.openai.protocol import OpenAIError
 from vllm.logger import init_logger
+from vllm.utils import random_uuid
 
 logger = init_logger(__name__)
 
@@ -80,7 +80,7 @@ def build_app(engine: AsyncLLM) -> Any:
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=field if field in kwargs else None) from None
-        request_id = f"generate-{uuid.uuid4().hex}"
+        request_id = f"generate-{random_uuid()}"
         try:
             rstream = await engine.add_request(request_id, prompt, params)
         except (ValueError, TypeError) as exc:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from vllm.entrypoints.openai.frontend_options import FrontendOptions
 from vllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, error_body
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
+from vllm.utils import random_uuid
 
 logger = init_logger(__name__)
 
@@ -57,7 +57,7 @@ class ClosingStream:
 
 
 def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{random_uuid()}"
 
 
 def sse(data: dict | str) -> str:
