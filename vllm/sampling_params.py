@@ -74,6 +74,8 @@ class SamplingParams:
     returned logprobs stay the model's own."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids can be sampled."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last N tokens (-1: the last max_model_len)."""
     # Filled by the engine from the tokenizer and generation config (not user fields).
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False,
                                           compare=False)
@@ -137,6 +139,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
                                                  or self.prompt_logprobs < -1):
             raise bad("prompt_logprobs", "an integer >= 0, -1 (the whole vocabulary) or None")
+        if self.truncate_prompt_tokens is not None and (
+                not is_int(self.truncate_prompt_tokens)
+                or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
+            raise bad("truncate_prompt_tokens", "an integer >= 1, -1 (max_model_len) or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
                              f"got {self.stop!r}")

@@ -282,6 +282,22 @@ def test_token_prompts_and_chat(llm, hf_greedy, tokenizer):
         llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], use_tqdm=False)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens (-1: max_model_len) are what
+    the model sees, so a prompt longer than max_model_len can still run."""
+    long_ids = [(7 * i) % 200 + 3 for i in range(300)]
+    out = llm.generate({"prompt_token_ids": long_ids}, greedy(4, truncate_prompt_tokens=10),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == long_ids[-10:]
+    alone = llm.generate({"prompt_token_ids": long_ids[-10:]}, greedy(4), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    fitted = llm.generate({"prompt_token_ids": long_ids}, greedy(1, truncate_prompt_tokens=-1),
+                          use_tqdm=False)[0]
+    assert len(fitted.prompt_token_ids) == 256  # max_model_len
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_reset_prefix_cache(llm):
     llm.generate(PROMPTS[2], greedy(), use_tqdm=False)
     assert llm.generate(PROMPTS[2], greedy(), use_tqdm=False)[0].num_cached_tokens > 0

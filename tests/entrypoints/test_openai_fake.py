@@ -606,3 +606,22 @@ def test_unknown_request_fields_are_logged_as_ignored(url, caplog):
                                              "use_beam_search": False, "frobnicate": 1})
     assert resp.status_code == 200
     assert "ignored: ['frobnicate', 'use_beam_search']" in caplog.text
+
+
+def test_truncate_prompt_tokens(url):
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens are used (and counted); -1
+    cuts to max_model_len (128 here), which leaves no room for output (400, as upstream);
+    0 is refused by name."""
+    body = post(url, "/v1/completions", {"prompt": "abcdefgh", "max_tokens": 2,
+                                         "truncate_prompt_tokens": 3, "echo": True}).json()
+    assert body["usage"]["prompt_tokens"] == 3
+    assert body["choices"][0]["text"].startswith("fgh")
+    chat = post(url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1,
+        "truncate_prompt_tokens": 4}).json()
+    assert chat["usage"]["prompt_tokens"] == 4
+    full = post(url, "/v1/completions", {"prompt": "a" * 200, "max_tokens": 1,
+                                         "truncate_prompt_tokens": -1})
+    assert full.status_code == 400 and "has 128 tokens" in full.json()["error"]["message"]
+    bad = post(url, "/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"

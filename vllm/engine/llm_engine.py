@@ -133,9 +133,11 @@ class LLMEngine:
         return SamplingParams(**values)
 
     # ---- requests -----------------------------------------------------------------------
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids), validated against max_model_len and the
-        vocabulary. Raises ValueError."""
+    def process_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None
+                       ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids), cut to the last `truncate_prompt_tokens`
+        (-1: max_model_len) and validated against max_model_len and the vocabulary. Raises
+        ValueError."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and prompt.get("prompt_token_ids") is not None:
@@ -147,6 +149,11 @@ class LLMEngine:
                              f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if len(token_ids) > keep:
+                token_ids = token_ids[-keep:]
+                text = self.tokenizer.decode(token_ids)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than "
                              f"max_model_len={self.max_model_len}")
@@ -193,7 +200,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.process_prompt(prompt)
+        text, token_ids = self.process_prompt(prompt, params.truncate_prompt_tokens)
         params = params.clone()
         self._resolve_logprobs(params)
         self._check_token_params(params)

@@ -74,7 +74,8 @@ class LLM:
         engine = self.llm_engine
         for index, prompt in enumerate(prompts):
             try:
-                text, token_ids = engine.process_prompt(prompt)
+                text, token_ids = engine.process_prompt(
+                    prompt, params_list[index].truncate_prompt_tokens)
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from None
             processed.append({"prompt": text, "prompt_token_ids": token_ids})

@@ -130,6 +130,8 @@ class _SamplingFields(OpenAIBaseModel):
     """vLLM's: the top-N logprobs of every prompt token (the first one None)."""
     return_token_ids: StrictBool | None = None
     """vLLM's: add the prompt's and each choice's token ids to the response."""
+    truncate_prompt_tokens: StrictInt | None = None
+    """vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)."""
 
     def check_stream_options(self) -> None:
         """As upstream: stream_options only go with stream=true (400 otherwise)."""
@@ -146,7 +148,7 @@ class _SamplingFields(OpenAIBaseModel):
                       skip_special_tokens=self.skip_special_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                      "stop_token_ids", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+                     "repetition_penalty", "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -276,7 +278,7 @@ _UNSUPPORTED_FIELDS = {
     "guided_regex": "structured outputs", "guided_choice": "structured outputs",
     "guided_grammar": "structured outputs", "guided_whitespace_pattern": "structured outputs",
     "use_beam_search": "beam search", "bad_words": "bad_words",
-    "truncate_prompt_tokens": "prompt truncation", "logits_processors": "logits processors",
+    "logits_processors": "logits processors",
 }
 
 

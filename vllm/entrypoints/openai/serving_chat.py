@@ -109,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         request.check_stream_options()
         check_tool_choice(request)
-        prompt = self.render(request)
+        prompt = self.truncate(self.render(request), request.truncate_prompt_tokens)
         if not prompt:
             raise OpenAIError("messages rendered to an empty prompt", 400, "messages")
         budget_param = "max_completion_tokens" if request.max_completion_tokens is not None \

@@ -169,6 +169,17 @@ class OpenAIServing:
             raise
         return streams
 
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (-1: max_model_len; None: all); 400 naming
+        truncate_prompt_tokens for another value."""
+        if keep is None:
+            return ids
+        if keep < 1 and keep != -1:
+            raise OpenAIError(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", 400,
+                              "truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
     def check_prompt_logprobs(self, request: Any) -> int | None:
         """The request's prompt_logprobs; a 400 naming it outside [0, --max-logprobs]."""
         wanted = request.prompt_logprobs
@@ -406,7 +417,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 texts.append(self.tokenizer.decode(ids) if request.echo else "")
             if not ids:
                 raise OpenAIError("prompt must not be empty", 400, "prompt")
-            prompts.append(ids)
+            cut = self.truncate(ids, request.truncate_prompt_tokens)
+            if len(cut) < len(ids) and request.echo:
+                texts[-1] = self.tokenizer.decode(cut)  # echo what the model saw
+            prompts.append(cut)
         longest = max(len(p) for p in prompts)
         max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
         kwargs = request.sampling_kwargs(self.default_sampling)
