@@ -20,21 +20,15 @@ import statistics
 import time
 from typing import Any
 
+from vllm.benchmarks.offline import add_offline_args, random_prompts, start_engine
+
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from vllm.engine.arg_utils import EngineArgs
-
-    EngineArgs.add_cli_args(parser)
-    group = parser.add_argument_group("latency benchmark")
+    group = add_offline_args(parser, "latency benchmark")
     group.add_argument("--batch-size", type=int, default=8, help="Requests in the batch.")
-    group.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
-    group.add_argument("--output-len", type=int, default=64,
-                       help="Generated tokens per request (the first comes with the prefill).")
     group.add_argument("--num-iters-warmup", type=int, default=1,
                        help="Untimed batches first (lazy per-size work, caches).")
     group.add_argument("--num-iters", type=int, default=3, help="Timed batches.")
-    group.add_argument("--output-json", default=None, help="Write the results here as JSON.")
-    parser.set_defaults(enable_prefix_caching=False)
     return parser
 
 
@@ -78,20 +72,11 @@ def run_batch(engine: Any, batch: list[list[int]], output_len: int) -> tuple[flo
 
 
 def main(args: argparse.Namespace) -> int:
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.engine.llm_engine import LLMEngine
-
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args.disable_log_stats = True
-    start = time.perf_counter()
-    engine = LLMEngine.from_engine_args(engine_args)
-    startup = time.perf_counter() - start
+    engine, startup = start_engine(args)
     rng = random.Random(args.seed)
-    vocab = engine.vocab_size
 
     def batch() -> list[list[int]]:
-        return [[rng.randrange(3, vocab) for _ in range(args.input_len)]
-                for _ in range(args.batch_size)]
+        return random_prompts(rng, engine.vocab_size, args.batch_size, args.input_len)
 
     for _ in range(args.num_iters_warmup):
         run_batch(engine, batch(), args.output_len)

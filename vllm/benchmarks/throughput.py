@@ -19,18 +19,12 @@ import random
 import time
 from typing import Any
 
+from vllm.benchmarks.offline import add_offline_args, random_prompts, start_engine
+
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from vllm.engine.arg_utils import EngineArgs
-
-    EngineArgs.add_cli_args(parser)
-    group = parser.add_argument_group("throughput benchmark")
+    group = add_offline_args(parser, "throughput benchmark")
     group.add_argument("--num-prompts", type=int, default=64, help="Requests in the run.")
-    group.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
-    group.add_argument("--output-len", type=int, default=64,
-                       help="Generated tokens per request.")
-    group.add_argument("--output-json", default=None, help="Write the results here as JSON.")
-    parser.set_defaults(enable_prefix_caching=False)
     return parser
 
 
@@ -53,21 +47,13 @@ def run(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[float, 
 
 
 def main(args: argparse.Namespace) -> int:
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.engine.llm_engine import LLMEngine
-
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                              f"{getattr(args, name)}")
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args.disable_log_stats = True
-    start = time.perf_counter()
-    engine = LLMEngine.from_engine_args(engine_args)
-    startup = time.perf_counter() - start
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]
+    engine, startup = start_engine(args)
+    prompts = random_prompts(random.Random(args.seed), engine.vocab_size, args.num_prompts,
+                             args.input_len)
     try:
         elapsed, output_tokens = run(engine, prompts, args.output_len)
     finally:
