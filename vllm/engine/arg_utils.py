@@ -103,7 +103,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
-    seed: int = 0
+    seed: int | None = 0
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
     load_format: str = "auto"

@@ -412,7 +412,7 @@ class AsyncLLM:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(command, _Add) and not command.done.done():
+                if isinstance(command, (_Add, _Call)) and not command.done.done():
                     command.done.set_exception(EngineDeadError(f"engine loop died: {exc!r}"))
 
     def _handle_add(self, command: _Add) -> None:
