@@ -76,10 +76,15 @@ class SamplingParams:
     """Only these token ids can be sampled."""
     truncate_prompt_tokens: int | None = None
     """Keep only the prompt's last N tokens (-1: the last max_model_len)."""
+    bad_words: list[str] | None = None
+    """Words never generated: a word's last token is banned wherever the output so far ends
+    with its other tokens (each word as written and with a leading space)."""
     # Filled by the engine from the tokenizer and generation config (not user fields).
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False,
                                           compare=False)
     _eos_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False,
+                                                  compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -94,6 +99,8 @@ class SamplingParams:
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change argmax, so turn them off.
@@ -143,6 +150,10 @@ class SamplingParams:
                 not is_int(self.truncate_prompt_tokens)
                 or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
             raise bad("truncate_prompt_tokens", "an integer >= 1, -1 (max_model_len) or None")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, (list, tuple))
+                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "a list of non-empty strings or None")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
                              f"got {self.stop!r}")
@@ -200,6 +211,26 @@ class SamplingParams:
         unless ignore_eos."""
         self._eos_token_ids = set() if self.ignore_eos else set(eos_token_ids)
         self._all_stop_token_ids = set(self.stop_token_ids) | self._eos_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize bad_words: each word as written and with a leading space (how it reads
+        after another word), without special tokens; duplicates dropped."""
+        sequences: list[list[int]] = []
+        for word in self.bad_words or []:
+            for text in (word, " " + word.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self._bad_words_token_ids = sequences
+
+    def banned_by_bad_words(self, output_token_ids: list[int]) -> set[int]:
+        """The tokens bad_words forbid next, after `output_token_ids`."""
+        banned = set()
+        for seq in self._bad_words_token_ids:
+            prefix = seq[:-1]
+            if not prefix or output_token_ids[-len(prefix):] == prefix:
+                banned.add(seq[-1])
+        return banned
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

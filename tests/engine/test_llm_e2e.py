@@ -473,3 +473,38 @@ def test_slow_tokenizer_mode_asks_for_the_python_tokenizer(monkeypatch):
     load_tokenizer("x", mode="slow")
     load_tokenizer("x")
     assert seen == [False, True]
+
+
+def test_bad_words_are_never_generated(llm, tokenizer):
+    """vLLM's bad_words: a one-token word is banned at every step, so the output equals the
+    one with that token's logit pushed down; a two-token word only loses its last token
+    after its first."""
+    ref = llm.generate(PROMPTS[0], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    # a generated token whose text encodes back to just that token
+    word = next(w for t in ref if (w := tokenizer.decode([t])).strip()
+                and tokenizer.encode(w, add_special_tokens=False) == [t])
+    params = greedy(8, bad_words=[word])
+    params.update_from_tokenizer(tokenizer)
+    banned = {seq[0] for seq in params._bad_words_token_ids if len(seq) == 1}
+    assert banned, word
+    out = llm.generate(PROMPTS[0], greedy(8, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert not banned & set(out.token_ids)
+    biased = llm.generate(PROMPTS[0], greedy(8, logit_bias=dict.fromkeys(banned, -100.0)),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == biased.token_ids
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[""])
+
+
+def test_bad_words_sequences_ban_the_last_token_after_the_rest():
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return {"ab": [1, 2], " ab": [3, 2], "c": [4], " c": [4]}[text]
+
+    params = SamplingParams(bad_words=["ab", "c"])
+    params.update_from_tokenizer(Tok())
+    assert params._bad_words_token_ids == [[1, 2], [3, 2], [4]]
+    assert params.banned_by_bad_words([]) == {4}
+    assert params.banned_by_bad_words([7, 1]) == {2, 4}
+    assert params.banned_by_bad_words([3]) == {2, 4}
+    assert params.banned_by_bad_words([1, 5]) == {4}

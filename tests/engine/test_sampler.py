@@ -84,9 +84,9 @@ def test_sampling_follows_distribution():
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
 
 
-def test_min_tokens_mask_and_penalties():
+def test_banned_tokens_and_penalties():
     logits = torch.tensor([[5.0, 1.0, 0.0], [5.0, 1.0, 0.0]])
-    md = meta(2, 0.0, min_tokens_mask=(torch.tensor([0]), torch.tensor([0])))
+    md = meta(2, 0.0, banned_tokens=(torch.tensor([0]), torch.tensor([0])))
     assert Sampler()(logits, md).sampled_token_ids.tolist() == [1, 0]
     md = meta(2, 0.0, repetition_penalties=torch.tensor([10.0, 1.0]),
               frequency_penalties=torch.zeros(2), presence_penalties=torch.tensor([0.0, 5.0]),

@@ -407,3 +407,17 @@ def test_logit_bias_and_allowed_token_ids(client, llm):
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                   logit_bias={"999999": 5})
+
+
+def test_bad_words_reach_the_sampler(client, llm):
+    from vllm import SamplingParams
+
+    tok = llm.get_tokenizer()
+    ref = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    token = next(t for t in ref if (w := tok.decode([t])).strip()
+                 and tok.encode(w, add_special_tokens=False) == [t])
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"bad_words": [tok.decode([token])],
+                                                "return_token_ids": True, "ignore_eos": True})
+    assert token not in out.choices[0].model_extra["token_ids"]

@@ -205,6 +205,8 @@ class LLMEngine:
         self._resolve_logprobs(params)
         self._check_token_params(params)
         params.update_from_eos(self.eos_token_ids)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
         room = self.max_model_len - len(token_ids)
         max_tokens = max(1, min(params.max_tokens or room, room))
         if params.n == 1:

@@ -390,15 +390,18 @@ class ModelRunner:
                              if s.generator is not None and not greedy[i]}
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         md.max_num_logprobs = max(wanted) if wanted else None
-        rows, cols = [], []
+        rows, cols = [], []  # banned this step: stop tokens before min_tokens, bad words
         for i, (state, p) in enumerate(zip(states, params)):
-            if state.num_output_tokens < p.min_tokens:
-                for token in p.all_stop_token_ids:
-                    if token < vocab_size:
-                        rows.append(i)
-                        cols.append(token)
+            banned = set(p.all_stop_token_ids) if state.num_output_tokens < p.min_tokens \
+                else set()
+            if p.bad_words:
+                banned |= p.banned_by_bad_words(state.token_ids[len(state.prompt_token_ids):])
+            for token in banned:
+                if token < vocab_size:
+                    rows.append(i)
+                    cols.append(token)
         if rows:
-            md.min_tokens_mask = (tensor(rows, torch.int64), tensor(cols, torch.int64))
+            md.banned_tokens = (tensor(rows, torch.int64), tensor(cols, torch.int64))
         biased = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()
                   if t < vocab_size]
         if biased:

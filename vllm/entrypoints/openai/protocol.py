@@ -132,6 +132,7 @@ class _SamplingFields(OpenAIBaseModel):
     """vLLM's: add the prompt's and each choice's token ids to the response."""
     truncate_prompt_tokens: StrictInt | None = None
     """vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)."""
+    bad_words: list[StrictStr] | None = None
 
     def check_stream_options(self) -> None:
         """As upstream: stream_options only go with stream=true (400 otherwise)."""
@@ -148,7 +149,7 @@ class _SamplingFields(OpenAIBaseModel):
                       skip_special_tokens=self.skip_special_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop",
                      "stop_token_ids", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "truncate_prompt_tokens"):
+                     "repetition_penalty", "truncate_prompt_tokens", "bad_words"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -277,7 +278,7 @@ _UNSUPPORTED_FIELDS = {
     "structured_outputs": "structured outputs", "guided_json": "structured outputs",
     "guided_regex": "structured outputs", "guided_choice": "structured outputs",
     "guided_grammar": "structured outputs", "guided_whitespace_pattern": "structured outputs",
-    "use_beam_search": "beam search", "bad_words": "bad_words",
+    "use_beam_search": "beam search",
     "logits_processors": "logits processors",
 }
 

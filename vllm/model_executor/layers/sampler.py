@@ -52,8 +52,9 @@ class SamplingMetadata:
     """row -> generator for seeded rows."""
     max_num_logprobs: int | None = None
     """Top-k logprobs to return (the largest any row asked for); None = no logprobs."""
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(rows, token ids) whose logits are -inf (stop tokens before min_tokens)."""
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids) whose logits are -inf: stop tokens before min_tokens, and the tokens
+    bad_words forbid."""
     presence_penalties: torch.Tensor | None = None
     frequency_penalties: torch.Tensor | None = None
     repetition_penalties: torch.Tensor | None = None
@@ -101,8 +102,8 @@ class Sampler(nn.Module):
         if metadata.logit_bias is not None:
             rows, cols, values = metadata.logit_bias
             logits = logits.index_put((rows, cols), values, accumulate=True)
-        if metadata.min_tokens_mask is not None:
-            rows, cols = metadata.min_tokens_mask
+        if metadata.banned_tokens is not None:
+            rows, cols = metadata.banned_tokens
             logits = logits.index_put((rows, cols), torch.tensor(float("-inf"),
                                                                  device=logits.device))
         if not metadata.no_penalties:
