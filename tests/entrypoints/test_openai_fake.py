@@ -625,3 +625,40 @@ def test_truncate_prompt_tokens(url):
     assert full.status_code == 400 and "has 128 tokens" in full.json()["error"]["message"]
     bad = post(url, "/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_vllm_chat_and_complete_commands(url, capsys, monkeypatch):
+    """`vllm chat` / `vllm complete` (upstream's client commands) against a running server:
+    -q sends one message; without it every typed line is one turn, and chat keeps the
+    conversation."""
+    from vllm.entrypoints.cli.main import main
+
+    # (the fake's tokens are one character each; sampling is at the server's temperature 1)
+    assert main(["complete", "--url", url + "/v1", "-q", "abc", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and 1 <= len(out) - 1 <= 3
+    assert main(["chat", "--url", url + "/v1", "-q", "hi abc", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and 1 <= len(out) - 1 <= 4
+    typed = iter(["x", "y"])
+
+    def fake_input(prompt):
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    from vllm.entrypoints.cli import chat
+
+    sent, real_reply = [], chat.reply
+    monkeypatch.setattr(chat, "reply", lambda client, messages: (
+        sent.append([dict(m) for m in messages]) or real_reply(client, messages)))
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert main(["chat", "--url", url + "/v1", "--max-tokens", "2",
+                 "--system-prompt", "be brief"]) == 0
+    assert [[m["role"] for m in turn] for turn in sent] == [
+        ["system", "user"], ["system", "user", "assistant", "user"]]
+    assert capsys.readouterr().out.startswith(sent[1][2]["content"])  # the reply it showed
+    with pytest.raises(SystemExit) as info:
+        main(["complete", "--url", url + "/v1", "--model-name", "nope", "-q", "a"])
+    assert info.value.code == 2 and "404" in capsys.readouterr().err

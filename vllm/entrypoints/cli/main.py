@@ -24,6 +24,8 @@ SUBCOMMANDS: list[str] = [
     "vllm.entrypoints.cli.config_cmd",
     "vllm.entrypoints.cli.serve",
     "vllm.entrypoints.cli.bench",
+    "vllm.entrypoints.cli.chat",
+    "vllm.entrypoints.cli.complete",
 ]
 
 
