@@ -557,6 +557,13 @@ def test_frontend_options_response_role_request_log_cors_root_path(engine, caplo
         other = httpx.options(base + "/v1/completions", headers={
             "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
         assert "access-control-allow-origin" not in other.headers
+        # --root-path: served under the prefix and (behind a stripping proxy) without it;
+        # the API key is still required under the prefix
+        assert httpx.get(base + "/llm/v1/models", headers=auth).json()["data"][0]["id"] == \
+            MODEL
+        assert httpx.get(base + "/llm/v1/models").status_code == 401
+        assert httpx.get(base + "/v1/models", headers=auth).status_code == 200
+        assert httpx.get(base + "/llm/health").status_code == 200
 
 
 
@@ -572,7 +579,7 @@ def test_serve_flags_reach_the_frontend_options(tmp_path):
     assert (options.response_role, options.enable_log_requests, options.max_log_len) == \
         ("bot", True, 10)
     assert options.allowed_origins == ["http://a"] and options.allow_credentials
-    assert uvicorn_config(object(), args, options).root_path == "/llm"
+    assert options.root_path == "/llm" and uvicorn_config(object(), args).port == 8000
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "demo", "--allowed-origins", "*"])
 
@@ -662,3 +669,46 @@ def test_vllm_chat_and_complete_commands(url, capsys, monkeypatch):
     with pytest.raises(SystemExit) as info:
         main(["complete", "--url", url + "/v1", "--model-name", "nope", "-q", "a"])
     assert info.value.code == 2 and "404" in capsys.readouterr().err
+
+
+def test_streamed_chat_prompt_data_and_completion_response_format(url):
+    """As upstream: a streamed chat sends the prompt's token ids once, with its first chunk,
+    and refuses prompt_logprobs; response_format json is refused on completions too (it was
+    ignored there); truncate_prompt_tokens over max_model_len is a 400."""
+    messages = [{"role": "user", "content": "hi"}]
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=30, json={
+            "messages": messages, "max_tokens": 2, "stream": True,
+            "return_token_ids": True}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] and all("prompt_token_ids" not in c
+                                                 for c in chunks[1:])
+    assert sum(len(c["choices"][0].get("token_ids", [])) for c in chunks if c["choices"]) >= 1
+    for path, body in [("/v1/chat/completions", {"messages": messages, "stream": True,
+                                                 "prompt_logprobs": 1}),
+                       ("/v1/completions", {"prompt": "a",
+                                            "response_format": {"type": "json_object"}}),
+                       ("/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 129})]:
+        resp = post(url, path, {**body, "max_tokens": 1})
+        assert resp.status_code == 400, (path, body, resp.text)
+        assert resp.json()["error"]["param"] in body
+
+
+def test_generation_config_max_new_tokens_caps_every_request():
+    """As upstream: the model's generation_config max_new_tokens (here 3) caps a request's
+    output: a chat without max_tokens, a completion's default 16 and a larger max_tokens."""
+    from vllm.sampling_params import SamplingParams
+
+    fake = FakeEngine(max_model_len=128, num_blocks=64, step_delay=0.0)
+    fake.get_default_sampling_params = lambda: SamplingParams(max_tokens=3, temperature=0)
+    engine = AsyncLLM(fake)
+    try:
+        with serve_in_thread(build_app(engine, [MODEL])) as base:
+            chat = post(base, "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}).json()
+            plain = post(base, "/v1/completions", {"prompt": "a", "ignore_eos": True}).json()
+            big = post(base, "/v1/completions", {"prompt": "a", "max_tokens": 50,
+                                                 "ignore_eos": True}).json()
+        assert [r["usage"]["completion_tokens"] for r in (chat, plain, big)] == [3, 3, 3]
+    finally:
+        engine.shutdown()

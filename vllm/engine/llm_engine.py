@@ -150,6 +150,9 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
         if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({truncate_prompt_tokens}) is greater "
+                                 f"than max_model_len ({self.max_model_len})")
             keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             if len(token_ids) > keep:
                 token_ids = token_ids[-keep:]

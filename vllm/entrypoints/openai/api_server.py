@@ -114,6 +114,24 @@ class _GuardMiddleware:
         await self.app(scope, receive, send)
 
 
+class _RootPathMiddleware:
+    """--root-path: a request under the prefix (`/x/v1/models`) is routed as `/v1/models`,
+    with the prefix in scope["root_path"]; unprefixed requests (a proxy that strips the
+    prefix) pass as they are."""
+
+    def __init__(self, app: Any, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and self.root_path and (
+                path == self.root_path or path.startswith(self.root_path + "/")):
+            scope = dict(scope, path=path[len(self.root_path):] or "/",
+                         root_path=scope.get("root_path", "") + self.root_path)
+        await self.app(scope, receive, send)
+
+
 async def _send_json(send: Any, status: int, body: dict) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
@@ -143,6 +161,8 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
                        allow_methods=options.allowed_methods,
                        allow_headers=options.allowed_headers,
                        allow_credentials=options.allow_credentials)
+    if options.root_path:  # (outermost: the guard and the routes see the path without it)
+        app.add_middleware(_RootPathMiddleware, root_path=options.root_path)
 
     class SSEResponse(StreamingResponse):
         """Closes the body iterator however the response ends (a dropped client included),
@@ -349,7 +369,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         # (the engine logged its start-up phase table when it became ready)
         app = build_app(engine, names, api_key=api_key, metrics=metrics, options=options)
-        config = uvicorn_config(app, args, options)
+        config = uvicorn_config(app, args)
         server = _uvicorn_server_class()(config, app.state.server, args.shutdown_timeout)
         logger.info("Serving %r on http://%s:%d (API key %s)", served, args.host, args.port,
                     "required" if api_key else "not required")
@@ -364,13 +384,12 @@ def run_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def uvicorn_config(app: Any, args: argparse.Namespace, options: FrontendOptions) -> Any:
-    """uvicorn's settings from `vllm serve`'s flags (--root-path is uvicorn's to apply)."""
+def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+    """uvicorn's settings from `vllm serve`'s flags."""
     import uvicorn
 
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                          access_log=not args.disable_uvicorn_access_log,
-                          root_path=options.root_path, timeout_keep_alive=5,
+                          access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
                           timeout_graceful_shutdown=5)
 
 

@@ -21,7 +21,8 @@ class FrontendOptions:
     max_log_len: int | None = None
     """Characters / token ids of a prompt shown in a request's log line (None: all)."""
     root_path: str = ""
-    """The URL prefix a proxy in front of the server strips (FastAPI's root_path)."""
+    """A URL prefix the server answers under (`/x/v1/models`), as well as without it (behind
+    a proxy that strips it)."""
     allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
@@ -81,7 +82,7 @@ def add_frontend_args(group: Any) -> None:
                        help="Prompt characters / token ids shown per logged request "
                        "(default: all).")
     group.add_argument("--root-path", default=d.root_path,
-                       help="URL prefix stripped by a proxy in front of the server.")
+                       help="URL prefix to serve under as well (e.g. behind a proxy).")
     group.add_argument("--allowed-origins", type=json_list("--allowed-origins"),
                        default=d.allowed_origins, help="CORS origins (JSON list). Default: "
                        "[\"*\"].")

@@ -133,12 +133,19 @@ class _SamplingFields(OpenAIBaseModel):
     truncate_prompt_tokens: StrictInt | None = None
     """vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)."""
     bad_words: list[StrictStr] | None = None
+    response_format: dict[str, Any] | None = None
+    """Only {"type": "text"}: JSON output needs structured outputs, which this server lacks."""
 
     def check_stream_options(self) -> None:
-        """As upstream: stream_options only go with stream=true (400 otherwise)."""
+        """As upstream: stream_options only go with stream=true (400 otherwise). Also refuses
+        a response_format other than text (no structured outputs here)."""
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options can only be given when stream is true", 400,
                               "stream_options")
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise OpenAIError(f"response_format type {fmt!r} is not supported: this server "
+                              f"has no structured outputs", 400, "response_format")
 
     def sampling_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """SamplingParams keyword arguments: the fields the client set, else `defaults` (the
@@ -202,7 +209,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     echo: StrictBool = False
     """vLLM's: start the reply with the last message's content when that message has the

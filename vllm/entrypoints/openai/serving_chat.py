@@ -97,10 +97,6 @@ class OpenAIServingChat(OpenAIServing):
         """A response dict, or (stream=true) an async iterator of SSE strings.
         Raises OpenAIError for bad requests before anything is streamed."""
         model = self.check_model(request.model)
-        fmt = (request.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise OpenAIError(f"response_format type {fmt!r} is not supported", 400,
-                              "response_format")
         top = request.top_logprobs
         if top is not None and not 0 <= top <= self.max_logprobs:
             raise OpenAIError(f"top_logprobs must be between 0 and {self.max_logprobs} (the "
@@ -108,6 +104,9 @@ class OpenAIServingChat(OpenAIServing):
         if top and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
         request.check_stream_options()
+        if request.stream and request.prompt_logprobs:
+            raise OpenAIError("prompt_logprobs are not available with stream=true (as "
+                              "upstream)", 400, "prompt_logprobs")
         check_tool_choice(request)
         prompt = self.truncate(self.render(request), request.truncate_prompt_tokens)
         if not prompt:
@@ -127,8 +126,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.start(base_id, [prompt], params)
         if request.stream:
             return ClosingStream(
-                self._stream(request, streams, len(prompt), base_id, created, model, role,
-                             echo),
+                self._stream(request, streams, prompt, base_id, created, model, role, echo),
                 streams, self)
         finals = await self.collect(streams, raw_request)
         return self._response(request, finals[0], prompt, base_id, created, model, role, echo)
@@ -161,8 +159,9 @@ class OpenAIServingChat(OpenAIServing):
                           "total_tokens": prompt_tokens + completion_tokens}}
 
     async def _stream(self, request: ChatCompletionRequest, streams: list[RequestStream],
-                      prompt_tokens: int, base_id: str, created: int, model: str,
+                      prompt: list[int], base_id: str, created: int, model: str,
                       role: str, echo: str) -> AsyncIterator[str]:
+        prompt_tokens = len(prompt)
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
@@ -175,9 +174,9 @@ class OpenAIServingChat(OpenAIServing):
             return {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                     "total_tokens": prompt_tokens + done}
 
-        def chunk(choices: list[dict]) -> str:
+        def chunk(choices: list[dict], **extra: Any) -> str:
             body = {"id": base_id, "object": "chat.completion.chunk", "created": created,
-                    "model": model, "choices": choices}
+                    "model": model, "choices": choices, **extra}
             if include_usage:
                 body["usage"] = usage() if continuous else None
             return sse(body)
@@ -185,8 +184,11 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # One choice per chunk, as vLLM streams (clients read `chunk.choices[0]`).
             for i in range(request.n):
+                # (return_token_ids: the prompt's ids once, with the first chunk, as upstream)
+                extra = {"prompt_token_ids": prompt} if request.return_token_ids and i == 0 \
+                    else {}
                 yield chunk([{"index": i, "delta": {"role": role, "content": ""},
-                              "logprobs": None, "finish_reason": None}])
+                              "logprobs": None, "finish_reason": None}], **extra)
                 if echo:
                     yield chunk([{"index": i, "delta": {"content": echo}, "logprobs": None,
                                   "finish_reason": None}])

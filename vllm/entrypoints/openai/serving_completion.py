@@ -84,6 +84,8 @@ class OpenAIServing:
         self.vocab_size = _vocab_size(tokenizer, engine)
         self.max_logprobs = _max_logprobs(engine)
         self.default_sampling = _generation_defaults(engine)
+        # generation_config's max_new_tokens: a cap on every request's output, as upstream
+        self.default_max_tokens: int | None = self.default_sampling.pop("max_tokens", None)
         self._token_text: dict[int, str] = {}
 
     # ---- request checks ------------------------------------------------------------------
@@ -117,15 +119,15 @@ class OpenAIServing:
                 f"This model's maximum context length is {self.max_model_len} tokens, but the "
                 f"{prompt_param} has {prompt_len} tokens, which leaves no room for output. "
                 f"Please shorten the {prompt_param}.", 400, prompt_param)
-        if requested is None:
-            return room
-        if requested > room:
+        if requested is not None and requested > room:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {prompt_len + requested} tokens ({prompt_len} in the "
                 f"{prompt_param}, {requested} in the completion). Please reduce the length of "
                 f"the {prompt_param} or {max_param}.", 400, max_param)
-        return requested
+        budget = room if requested is None else requested
+        return budget if self.default_max_tokens is None else min(budget,
+                                                                   self.default_max_tokens)
 
     def sampling_params(self, kwargs: dict[str, Any], max_tokens: int,
                         logprobs: int | None) -> Any:
@@ -174,8 +176,9 @@ class OpenAIServing:
         truncate_prompt_tokens for another value."""
         if keep is None:
             return ids
-        if keep < 1 and keep != -1:
-            raise OpenAIError(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", 400,
+        if (keep < 1 and keep != -1) or keep > self.max_model_len:
+            raise OpenAIError(f"truncate_prompt_tokens must be -1 or between 1 and "
+                              f"max_model_len ({self.max_model_len}), got {keep}", 400,
                               "truncate_prompt_tokens")
         keep = self.max_model_len if keep == -1 else keep
         return ids[-keep:] if len(ids) > keep else ids
@@ -335,7 +338,7 @@ def _by_rank(entry: dict) -> list[tuple[int, Any]]:
                                                  else 1 << 30, -kv[1].logprob))
 
 
-_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
 def _generation_defaults(engine: Any) -> dict[str, Any]:
