@@ -136,7 +136,7 @@ class _SamplingFields(OpenAIBaseModel):
     response_format: dict[str, Any] | None = None
     """Only {"type": "text"}: JSON output needs structured outputs, which this server lacks."""
 
-    def check_stream_options(self) -> None:
+    def check_stream_and_format(self) -> None:
         """As upstream: stream_options only go with stream=true (400 otherwise). Also refuses
         a response_format other than text (no structured outputs here)."""
         if self.stream_options is not None and not self.stream:

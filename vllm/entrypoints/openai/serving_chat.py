@@ -103,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
                               f"server's --max-logprobs), got {top}", 400, "top_logprobs")
         if top and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
-        request.check_stream_options()
+        request.check_stream_and_format()
         if request.stream and request.prompt_logprobs:
             raise OpenAIError("prompt_logprobs are not available with stream=true (as "
                               "upstream)", 400, "prompt_logprobs")

@@ -399,7 +399,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """A response dict, or (stream=true) an async iterator of SSE strings.
         Raises OpenAIError for bad requests before anything is streamed."""
         model = self.check_model(request.model)
-        request.check_stream_options()
+        request.check_stream_and_format()
         if request.suffix is not None:
             raise OpenAIError("suffix is not supported", 400, "suffix")
         if request.best_of is not None and request.best_of != request.n:
