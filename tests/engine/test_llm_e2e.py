@@ -462,17 +462,24 @@ def test_generation_and_tokenizer_settings_are_checked(llama_path, kwargs, match
         EngineArgs(model=llama_path, **kwargs).create_engine_config()
 
 
-def test_slow_tokenizer_mode_asks_for_the_python_tokenizer(monkeypatch):
+def test_slow_tokenizer_mode_asks_for_the_python_tokenizer(monkeypatch, caplog):
+    import logging
+
     from transformers import AutoTokenizer
 
     from vllm.engine.llm_engine import load_tokenizer
 
     seen = []
+    class FastOnly:  # a folder with only tokenizer.json: AutoTokenizer falls back to fast
+        is_fast = True
+
     monkeypatch.setattr(AutoTokenizer, "from_pretrained",
-                        lambda path, **kw: seen.append(kw["use_fast"]) or "tok")
-    load_tokenizer("x", mode="slow")
-    load_tokenizer("x")
+                        lambda path, **kw: seen.append(kw["use_fast"]) or FastOnly())
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        load_tokenizer("x", mode="slow")
+        load_tokenizer("x")
     assert seen == [False, True]
+    assert caplog.text.count("has no slow (Python) tokenizer") == 1
 
 
 def test_bad_words_are_never_generated(llm, tokenizer):

@@ -421,6 +421,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
                                       "function": {"name": "get_weather"}}},
      "structured outputs"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "'sometimes'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "'other', which is not among the tools (get_weather)"),
     ({"tool_choice": "required"}, "needs tools"),
 ])
 def test_tool_calls_are_refused_not_ignored(url, extra, words):

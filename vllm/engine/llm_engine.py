@@ -34,10 +34,14 @@ def load_tokenizer(tokenizer: str, trust_remote_code: bool = False, mode: str = 
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code,
-                                             use_fast=mode != "slow")
+        loaded = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code,
+                                               use_fast=mode != "slow")
     except (OSError, ValueError) as exc:
         raise ValueError(f"Cannot load the tokenizer from {tokenizer!r}: {exc}") from exc
+    if mode == "slow" and getattr(loaded, "is_fast", False):
+        logger.warning("tokenizer_mode='slow', but %s has no slow (Python) tokenizer: using "
+                       "its fast one", tokenizer)
+    return loaded
 
 
 def _as_id_set(value: Any) -> set[int]:

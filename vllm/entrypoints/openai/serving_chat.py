@@ -248,6 +248,12 @@ def check_tool_choice(request: ChatCompletionRequest) -> None:
         return
     if not request.tools:
         raise OpenAIError(f"tool_choice {choice!r} needs tools", 400, "tool_choice")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        names = [(t.get("function") or {}).get("name") for t in request.tools]
+        if name not in names:
+            raise OpenAIError(f"tool_choice names the function {name!r}, which is not among "
+                              f"the tools ({', '.join(map(str, names))})", 400, "tool_choice")
     if choice == "auto":
         raise OpenAIError(
             "tool_choice \"auto\" (the default when tools are given) needs a tool-call "
