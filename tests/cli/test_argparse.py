@@ -303,3 +303,23 @@ def test_upstream_utility_import_paths():
     assert FlexibleArgumentParser is Parser
     ids = {random_uuid() for _ in range(3)}
     assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+def test_config_file_options_with_the_command_line_winning(tmp_path, capsys):
+    """upstream's `vllm serve --config FILE.yaml`: keys in either spelling, true = a switch,
+    false = not given, lists and mappings; the command line's value wins."""
+    from vllm.entrypoints.cli.main import build_parser
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 8123\nmax_model_len: 256\nserved-model-name: [a, b]\n"
+                   "enable-log-requests: true\ntrust-remote-code: false\n"
+                   "compilation-config: {mode: 0}\n")
+    args = build_parser().parse_args(["serve", "demo", "--config", str(cfg), "--port", "9000"])
+    assert (args.port, args.max_model_len, args.served_model_name) == (9000, 256, ["a", "b"])
+    assert args.enable_log_requests and not args.trust_remote_code
+    assert args.compilation_config == {"mode": 0} and args.model_tag == "demo"
+    for text, words in [("- a list\n", "must hold a mapping"), ("a: [\n", "cannot read")]:
+        cfg.write_text(text)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "demo", f"--config={cfg}"])
+        assert words in capsys.readouterr().err

@@ -15,6 +15,10 @@
   appended at the END of argv as `--option <json>`, so it replaces an earlier full JSON value.
 * Repeated options (and repeated dotted scalar keys): the last one wins, and one warning
   "Found duplicate keys ..." names them.
+* `--config FILE.yaml` (upstream's): the file's keys are options (`port: 8000`,
+  `tensor-parallel-size: 2` or `tensor_parallel_size: 2`; `true` = a switch given, `false` =
+  not given, lists = several values, mappings = JSON), spliced in where `--config` stands; an
+  option also given on the command line keeps the command line's value.
 
 Errors are one line, `<prog>: error: <message>`, exit code 2, without the usage block.
 """
@@ -121,9 +125,48 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {line}\n")
 
     # ---- argv rewriting ------------------------------------------------------------------
+    def _expand_config_file(self, argv: list[str]) -> list[str]:
+        """`--config FILE` -> the file's options in its place (see the module docstring)."""
+        i = next((i for i, t in enumerate(argv) if t == "--config" or t.startswith("--config=")),
+                 None)
+        if i is None:
+            return argv
+        token = argv[i]
+        if token == "--config":
+            if i + 1 >= len(argv):
+                self.error("--config needs a YAML file")
+            path, rest = argv[i + 1], argv[i + 2:]
+        else:
+            path, rest = token.split("=", 1)[1], argv[i + 1:]
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            self.error(f"--config {path!r}: cannot read it as YAML ({exc})")
+        if not isinstance(data, dict):
+            self.error(f"--config {path!r} must hold a mapping of option: value")
+        given = {_normalize_long_option(t).split("=", 1)[0] for t in argv if t.startswith("--")}
+        tokens: list[str] = []
+        for key, value in data.items():
+            flag = "--" + str(key).replace("_", "-")
+            if flag in given or value is False or value is None:
+                continue
+            if value is True:
+                tokens.append(flag)
+            elif isinstance(value, list):
+                tokens += [flag, *map(str, value)]
+            elif isinstance(value, dict):
+                tokens += [flag, json.dumps(value)]
+            else:
+                tokens += [flag, str(value)]
+        return argv[:i] + tokens + rest
+
     def preprocess_argv(self, argv: list[str]) -> list[str]:
         """Rewrite vLLM spellings into plain argparse tokens (the contract is the module
         docstring). Exits through `error()` on a malformed dotted key."""
+        argv = self._expand_config_file(argv)
         if "--" in argv:
             cut = argv.index("--")
             argv, tail = argv[:cut], argv[cut:]
