@@ -347,8 +347,7 @@ def run_server(args: argparse.Namespace) -> int:
     from vllm import envs
     from vllm.engine.arg_utils import EngineArgs
 
-    names = args.served_model_name or [args.model]
-    names = [names] if isinstance(names, str) else list(names)
+    names = list(args.served_model_name or [args.model])  # (nargs="+": a list)
     served = names[0]
     api_key = args.api_key or envs.VLLM_API_KEY
     if args.shutdown_timeout < 0:

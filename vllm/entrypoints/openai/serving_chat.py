@@ -137,21 +137,19 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         completion_tokens = 0
         prompt_tokens = len(prompt)
-        top_level: dict[str, Any] = {}  # vLLM's prompt_logprobs / prompt_token_ids
+        top_level = self.prompt_fields(request, final, prompt)  # once, not per choice
         for c in final.outputs:
             completion_tokens += len(c.token_ids)
             logprobs = None
             if request.logprobs:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs,
                                               request.top_logprobs or 0)
-            extra = self.extra_choice_fields(request, final, prompt, c.token_ids, first=True)
-            top_level.update((key, extra.pop(key)) for key in ("prompt_logprobs",
-                                                               "prompt_token_ids")
-                             if key in extra)
-            choices.append({"index": c.index,
-                            "message": {"role": role, "content": echo + c.text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason, **extra})
+            choice = {"index": c.index, "message": {"role": role, "content": echo + c.text},
+                      "logprobs": logprobs, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            if request.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         return {"id": base_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, **top_level,

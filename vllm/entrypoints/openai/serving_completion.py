@@ -192,22 +192,28 @@ class OpenAIServing:
                               "prompt_logprobs")
         return wanted
 
-    def extra_choice_fields(self, request: Any, output: RequestOutput, prompt_ids: list[int],
-                            token_ids: Any, first: bool) -> dict:
-        """vLLM's optional choice fields: prompt_logprobs (prompt_logprobs=N) and
-        prompt_token_ids / token_ids (return_token_ids); the prompt's only with a choice's
-        first chunk."""
-        extra: dict[str, Any] = {}
-        if request.prompt_logprobs is not None and first:
-            extra["prompt_logprobs"] = [
+    def prompt_fields(self, request: Any, output: RequestOutput,
+                      prompt_ids: list[int]) -> dict:
+        """vLLM's optional prompt fields: prompt_logprobs (prompt_logprobs=N) and
+        prompt_token_ids (return_token_ids)."""
+        fields: dict[str, Any] = {}
+        if request.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = [
                 None if entry is None else {
                     str(tid): {"logprob": lp.logprob, "rank": lp.rank,
                                "decoded_token": lp.decoded_token}
                     for tid, lp in entry.items()}
                 for entry in _prompt_entries(output, len(prompt_ids))]
         if request.return_token_ids:
-            if first:
-                extra["prompt_token_ids"] = list(prompt_ids)
+            fields["prompt_token_ids"] = list(prompt_ids)
+        return fields
+
+    def extra_choice_fields(self, request: Any, output: RequestOutput, prompt_ids: list[int],
+                            token_ids: Any, first: bool) -> dict:
+        """A completion choice's optional fields: the prompt's (`prompt_fields`) with its
+        first chunk, and its token_ids (return_token_ids)."""
+        extra = self.prompt_fields(request, output, prompt_ids) if first else {}
+        if request.return_token_ids:
             extra["token_ids"] = list(token_ids)
         return extra
 
