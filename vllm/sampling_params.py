@@ -36,6 +36,18 @@ def _token_key(key: Any) -> Any:
     return key
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len; None: all).
+    Raises ValueError naming it when it is not -1 or in [1, max_model_len]."""
+    if keep is None:
+        return token_ids
+    if (keep < 1 and keep != -1) or keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len "
+                         f"({max_model_len}), got {keep}")
+    keep = max_model_len if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. Invalid values raise ValueError naming the field and the

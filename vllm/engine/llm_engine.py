@@ -18,7 +18,7 @@ from vllm.engine.request import Request, RequestStatus
 from vllm.engine.scheduler import Scheduler
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, truncate_prompt
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,14 +153,9 @@ class LLMEngine:
                              f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty (0 tokens)")
-        if truncate_prompt_tokens is not None:
-            if truncate_prompt_tokens > self.max_model_len:
-                raise ValueError(f"truncate_prompt_tokens ({truncate_prompt_tokens}) is greater "
-                                 f"than max_model_len ({self.max_model_len})")
-            keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-            if len(token_ids) > keep:
-                token_ids = token_ids[-keep:]
-                text = self.tokenizer.decode(token_ids)
+        kept = truncate_prompt(token_ids, truncate_prompt_tokens, self.max_model_len)
+        if len(kept) < len(token_ids):
+            token_ids, text = kept, self.tokenizer.decode(kept)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than "
                              f"max_model_len={self.max_model_len}")

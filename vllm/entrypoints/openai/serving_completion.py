@@ -174,14 +174,12 @@ class OpenAIServing:
     def truncate(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (-1: max_model_len; None: all); 400 naming
         truncate_prompt_tokens for another value."""
-        if keep is None:
-            return ids
-        if (keep < 1 and keep != -1) or keep > self.max_model_len:
-            raise OpenAIError(f"truncate_prompt_tokens must be -1 or between 1 and "
-                              f"max_model_len ({self.max_model_len}), got {keep}", 400,
-                              "truncate_prompt_tokens")
-        keep = self.max_model_len if keep == -1 else keep
-        return ids[-keep:] if len(ids) > keep else ids
+        from vllm.sampling_params import truncate_prompt
+
+        try:
+            return truncate_prompt(ids, keep, self.max_model_len)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), 400, "truncate_prompt_tokens") from None
 
     def check_prompt_logprobs(self, request: Any) -> int | None:
         """The request's prompt_logprobs; a 400 naming it outside [0, --max-logprobs]."""
