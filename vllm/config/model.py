@@ -90,7 +90,7 @@ class ModelConfig:
         if self.hf_overrides:
             if not isinstance(self.hf_overrides, dict):
                 raise ValueError(f"hf_overrides must be a dict, got {self.hf_overrides!r}")
-            _apply_overrides(self.hf_config, self.hf_overrides, "hf_overrides")
+            _apply_overrides(self.hf_config, self.hf_overrides)
         if self.tokenizer is None:
             self.tokenizer = self.model
         limit = self.derived_max_model_len()
@@ -306,11 +306,12 @@ class _Hashable:
     data: dict
 
 
-def _apply_overrides(config: Any, overrides: dict[str, Any], where: str) -> None:
+def _apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
+    """Set `overrides` on a Hugging Face config; a dict updates a nested config in place."""
     for key, value in overrides.items():
         current = getattr(config, key, None)
         if isinstance(value, dict) and hasattr(current, "to_dict"):
-            _apply_overrides(current, value, f"{where}.{key}")
+            _apply_overrides(current, value)
         else:
             setattr(config, key, value)
 

@@ -5,8 +5,8 @@
 * `--long_option` -> `--long-option`: underscores between `--` and the first `.` or `=`
   become dashes (`--optimization_level=1` works).
 * `-O<x>` / `-O=<x>` -> `--optimization-level <x>` (any suffix; the option's type validates
-  it), `-O <n>` -> `--optimization-level <n>` only when `<n>` is exactly 0, 1, 2 or 3;
-  otherwise `-O` is left alone and argparse rejects it.
+  it), `-O <x>` -> `--optimization-level <x>` unless `<x>` is another flag; a bare `-O`
+  (last, or before another flag) is an error naming the levels.
 * Dotted keys of dict-valued options (those whose `type` comes from `json_dict_type`):
   `-cc.pass_config.fuse_norm_quant=false`, `-cc.mode 3`, `--compilation-config.backend=eager`.
   The value is JSON-decoded when possible, else kept as a string. A key ending in `+`
