@@ -4,11 +4,44 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.engine.stop_matcher import StopStringMatcher
+
 # Temperatures below this are treated as greedy (argmax).
 _SAMPLING_EPS = 1e-5
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Integer fields end up in int64 tensors or torch seeds: they must fit."""
+
+# Size limits, checked when SamplingParams is built. Far above what real clients send (OpenAI
+# allows 4 stop strings), low enough to bound one request's work: building the stop-string
+# automaton and the bad-words index is linear in their total length (~0.1-0.3 s at the
+# totals below in pure Python), and the n sequences of a request share both.
+MAX_N = 1024
+"""Sequences per request (the OpenAI server caps n lower, at 128)."""
+MAX_STOP_STRINGS = 1024
+MAX_STOP_STRING_LENGTH = 1024
+"""Characters per stop string; streamed text holds back up to this many minus one."""
+MAX_STOP_STRINGS_TOTAL_LENGTH = 65536
+"""Characters over all stop strings (e.g. 1024 strings of 64, or 64 of 1024)."""
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_LENGTH = 1024
+MAX_BAD_WORDS_TOTAL_LENGTH = 65536
+MAX_ALLOWED_TOKEN_IDS = 262144
+"""Vocabulary scale (Gemma 3 has 262144 tokens); the engine also checks each id against the
+model's vocabulary."""
+MAX_LOGIT_BIAS_ENTRIES = 262144
+
+# Float ranges that keep the sampler's float32 arithmetic finite: a logit of ~1e5 plus a bias
+# of 1e10, divided by the smallest repetition penalty and the smallest sampling temperature,
+# stays below 1e22 (float32 overflows at 3.4e38 and an inf logit turns softmax into NaN).
+MAX_TEMPERATURE = 1e6
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+MAX_ABS_LOGIT_BIAS = 1e10
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -29,11 +62,79 @@ class SamplingType(enum.IntEnum):
 
 
 def _token_key(key: Any) -> Any:
-    """A logit_bias key as an int where it is one ("42" -> 42); anything else is kept for
-    the check to name."""
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
-        return int(key)
+    """A logit_bias key as an int where it is one ("42" -> 42); anything else (including
+    digit strings too long for int64) is kept for the check to name."""
+    if isinstance(key, str):
+        text = key.strip()
+        digits = text[1:] if text.startswith("-") else text
+        if digits.isascii() and digits.isdigit() and len(digits) <= 19:
+            return int(text)
     return key
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """repr() for error messages, cut to `limit` characters (a 100k-string stop list or an
+    int past Python's 4300-digit str() limit must not end up in, or break, the message)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<a {value.bit_length()}-bit integer>"
+    if isinstance(value, (list, tuple, set, dict)) and len(value) > 8:
+        return f"<a {type(value).__name__} of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_float(value: Any) -> float | None:
+    """`value` as a finite float, or None when it is not a finite real number (bools, NaN,
+    inf, ints past the float range are None)."""
+    if not _is_real(value):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+class _BadWordsNode:
+    """A node of the bad-words index: a trie over the words' token prefixes, read backwards
+    from the last output token. `banned` holds the last tokens of the words whose prefix is
+    the path from the root (the root: one-token words, banned everywhere)."""
+
+    __slots__ = ("banned", "children")
+
+    def __init__(self) -> None:
+        self.banned: set[int] = set()
+        self.children: dict[int, _BadWordsNode] = {}
+
+
+def _index_bad_words(sequences: list[list[int]]) -> _BadWordsNode:
+    root = _BadWordsNode()
+    for seq in sequences:
+        node = root
+        for token in reversed(seq[:-1]):
+            node = node.children.setdefault(token, _BadWordsNode())
+        node.banned.add(seq[-1])
+    return root
+
+
+def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text without special tokens: one batch call where the tokenizer
+    takes a batch (transformers' tokenizers), else one encode() per text."""
+    if not texts:
+        return []
+    if callable(tokenizer):
+        encoded = tokenizer(texts, add_special_tokens=False)
+        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+        return [list(x) for x in ids]
+    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
@@ -97,6 +198,11 @@ class SamplingParams:
     _eos_token_ids: set[int] = field(default_factory=set, init=False, repr=False, compare=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False,
                                                   compare=False)
+    # Derived, read-only once built, and shared by clones (the n sequences of a request).
+    _stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False,
+                                                    compare=False)
+    _bad_words_index: _BadWordsNode | None = field(default=None, init=False, repr=False,
+                                                   compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -104,15 +210,20 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            self.stop = self._as_list("stop", self.stop,
+                                      "a non-empty string or a list of non-empty strings")
+        self.stop_token_ids = self._as_list("stop_token_ids", self.stop_token_ids or [],
+                                            "a list of token ids")
         if isinstance(self.logit_bias, dict):
             # JSON object keys arrive as strings ("50256": -100).
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = self._as_list("allowed_token_ids", self.allowed_token_ids,
+                                                   "a non-empty list of token ids")
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        elif isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change argmax, so turn them off.
@@ -121,67 +232,67 @@ class SamplingParams:
             self.top_k = 0
         self._all_stop_token_ids = set(self.stop_token_ids)
 
+    @staticmethod
+    def _as_list(name: str, value: Any, allowed: str) -> list:
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return list(value)
+        raise ValueError(f"{name} must be {allowed}, got {_show(value)}")
+
     def _verify(self) -> None:
+        """Check every field's type and range; normalise numbers to plain int / float (so an
+        int or float subclass cannot answer the range checks one way and the tensors another).
+        Raises ValueError starting with the field's name (the server reports it as the bad
+        parameter)."""
+
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            return ValueError(f"{name} must be {allowed}, got {_show(getattr(self, name))}")
 
-        def is_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
+        def check_int(name: str, low: int, high: int, allowed: str, optional: bool = False,
+                      extra: tuple[int, ...] = ()) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if not _is_int(value) or not (low <= value <= high or value in extra):
+                raise bad(name, allowed)
+            setattr(self, name, int(value))
 
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", "an integer >= 1")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "> 0")
-        if not self.temperature >= 0.0:
-            raise bad("temperature", ">= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "an integer >= -1 (0 or -1 disables top-k)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "an integer or None")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1 or None")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
+        def check_float(name: str, low: float, high: float, allowed: str,
+                        low_open: bool = False) -> None:
+            number = _as_float(getattr(self, name))
+            if number is None or not low <= number <= high or (low_open and number == low):
+                raise bad(name, allowed)
+            setattr(self, name, number)
+
+        check_int("n", 1, MAX_N, f"an integer in [1, {MAX_N}]")
+        check_float("presence_penalty", -2.0, 2.0, "a number in [-2, 2]")
+        check_float("frequency_penalty", -2.0, 2.0, "a number in [-2, 2]")
+        check_float("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
+                    f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                    "(> 0; 1 means no penalty)")
+        check_float("temperature", 0.0, MAX_TEMPERATURE,
+                    f"a finite number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
+        check_float("top_p", 0.0, 1.0, "a number in (0, 1]", low_open=True)
+        check_int("top_k", -1, INT64_MAX,
+                  "an integer >= -1 that fits in 64 bits (0 or -1 disables top-k; values "
+                  "above the vocabulary size keep every token)")
+        check_float("min_p", 0.0, 1.0, "a number in [0, 1]")
+        check_int("seed", INT64_MIN, INT64_MAX,
+                  "an integer that fits in a signed 64-bit integer, or None", optional=True)
+        check_int("max_tokens", 1, INT64_MAX, "an integer >= 1 that fits in 64 bits, or None",
+                  optional=True)
+        check_int("min_tokens", 0, INT64_MAX, "an integer >= 0 that fits in 64 bits")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got "
                              f"{self.min_tokens}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):
-            raise bad("logprobs", "an integer >= 0, -1 (the whole vocabulary) or None")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
-                                                 or self.prompt_logprobs < -1):
-            raise bad("prompt_logprobs", "an integer >= 0, -1 (the whole vocabulary) or None")
-        if self.truncate_prompt_tokens is not None and (
-                not is_int(self.truncate_prompt_tokens)
-                or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
-            raise bad("truncate_prompt_tokens", "an integer >= 1, -1 (max_model_len) or None")
-        if self.bad_words is not None and (
-                not isinstance(self.bad_words, (list, tuple))
-                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
-            raise bad("bad_words", "a list of non-empty strings or None")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
-                             f"got {self.stop!r}")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got "
-                             f"{self.stop_token_ids!r}")
-        if self.logit_bias is not None and (
-                not isinstance(self.logit_bias, dict)
-                or any(not is_int(k) or k < 0 for k in self.logit_bias)
-                or any(isinstance(v, bool) or not isinstance(v, (int, float))
-                       or not math.isfinite(v) for v in self.logit_bias.values())):
-            raise bad("logit_bias", "a dict of token id (integer >= 0) -> finite number")
-        if self.allowed_token_ids is not None and (
-                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
-            raise bad("allowed_token_ids", "a non-empty list of token ids (integers >= 0)")
+        for name in ("logprobs", "prompt_logprobs"):
+            check_int(name, 0, INT64_MAX,
+                      "an integer >= 0, -1 (the whole vocabulary) or None", optional=True,
+                      extra=(-1,))
+        check_int("truncate_prompt_tokens", 1, INT64_MAX,
+                  "an integer >= 1, -1 (max_model_len) or None", optional=True, extra=(-1,))
+        self._verify_stops()
+        self._verify_token_ids()
+        self._verify_bad_words()
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
         try:
@@ -189,6 +300,76 @@ class SamplingParams:
         except ValueError:
             raise bad("output_kind", "a RequestOutputKind (CUMULATIVE 0, DELTA 1, "
                       "FINAL_ONLY 2)") from None
+
+    def _verify_stops(self) -> None:
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
+                             f"got {_show(self.stop)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} "
+                             "are allowed")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_LENGTH:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_LENGTH} "
+                             f"characters long, got one of {len(longest)}")
+        total = sum(map(len, self.stop))
+        if total > MAX_STOP_STRINGS_TOTAL_LENGTH:
+            raise ValueError(f"stop strings must total at most {MAX_STOP_STRINGS_TOTAL_LENGTH} "
+                             f"characters, got {total}")
+
+    def _verify_token_ids(self) -> None:
+        def token_ids(name: str, ids: list, limit: int, allowed: str) -> list[int]:
+            if len(ids) > limit:
+                raise ValueError(f"{name} has {len(ids)} entries; at most {limit} are allowed")
+            for t in ids:
+                if not _is_int(t) or not 0 <= t <= INT64_MAX:
+                    raise ValueError(f"{name} must be {allowed}, got {_show(t)} in it")
+            return [int(t) for t in ids]
+
+        self.stop_token_ids = token_ids("stop_token_ids", self.stop_token_ids,
+                                        MAX_STOP_TOKEN_IDS,
+                                        "a list of token ids (integers in [0, 2**63))")
+        if self.logit_bias is not None:
+            allowed = (f"a dict of token id (an integer in [0, 2**63)) -> bias (a finite number "
+                       f"in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}])")
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be {allowed}, got {_show(self.logit_bias)}")
+            keys = token_ids("logit_bias", list(self.logit_bias), MAX_LOGIT_BIAS_ENTRIES,
+                             allowed)
+            values = [_as_float(v) for v in self.logit_bias.values()]
+            for key, value, number in zip(keys, self.logit_bias.values(), values):
+                if number is None or abs(number) > MAX_ABS_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias must be {allowed}, got {_show(value)} for "
+                                     f"token {key}")
+            self.logit_bias = dict(zip(keys, values))
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids "
+                                 f"(integers in [0, 2**63)), got "
+                                 f"{_show(self.allowed_token_ids)}")
+            self.allowed_token_ids = token_ids(
+                "allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS,
+                "a non-empty list of token ids (integers in [0, 2**63))")
+
+    def _verify_bad_words(self) -> None:
+        words = self.bad_words
+        if words is None:
+            return
+        if (not isinstance(words, list)
+                or any(not isinstance(w, str) or not w.strip() for w in words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings or None, got "
+                             f"{_show(words)}")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are "
+                             "allowed")
+        longest = max(words, key=len, default="")
+        if len(longest) > MAX_BAD_WORD_LENGTH:
+            raise ValueError(f"bad_words must be at most {MAX_BAD_WORD_LENGTH} characters "
+                             f"long each, got one of {len(longest)}")
+        total = sum(map(len, words))
+        if total > MAX_BAD_WORDS_TOTAL_LENGTH:
+            raise ValueError(f"bad_words must total at most {MAX_BAD_WORDS_TOTAL_LENGTH} "
+                             f"characters, got {total}")
 
     # ---- derived ------------------------------------------------------------------------
     @property
@@ -225,27 +406,70 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids) | self._eos_token_ids
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
-        """Tokenize bad_words: each word as written and with a leading space (how it reads
-        after another word), without special tokens; duplicates dropped."""
+        """Tokenize bad_words (in one batch where the tokenizer takes one): each word as
+        written and with a leading space (how it reads after another word), without special
+        tokens; duplicates dropped. Builds the index `banned_by_bad_words` walks."""
+        texts = [text for word in self.bad_words or [] for text in (word, " " + word.lstrip())]
         sequences: list[list[int]] = []
-        for word in self.bad_words or []:
-            for text in (word, " " + word.lstrip()):
-                ids = list(tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in sequences:
-                    sequences.append(ids)
+        seen: set[tuple[int, ...]] = set()
+        for ids in _encode_all(tokenizer, texts):
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                sequences.append(ids)
         self._bad_words_token_ids = sequences
+        self._bad_words_index = _index_bad_words(sequences) if sequences else None
 
-    def banned_by_bad_words(self, output_token_ids: list[int]) -> set[int]:
-        """The tokens bad_words forbid next, after `output_token_ids`."""
-        banned = set()
-        for seq in self._bad_words_token_ids:
-            prefix = seq[:-1]
-            if not prefix or output_token_ids[-len(prefix):] == prefix:
-                banned.add(seq[-1])
+    def banned_by_bad_words(self, token_ids: list[int], start: int = 0) -> set[int]:
+        """The tokens bad_words forbid next, after the output `token_ids[start:]` (a word's
+        prefix must lie within it: pass the whole sequence and the prompt length to save a
+        copy). Walks the index backwards from the last token, so the cost is the length of
+        the longest matching word prefix, whatever the number of words."""
+        node = self._bad_words_index
+        if node is None:
+            if not self._bad_words_token_ids:
+                return set()
+            node = self._bad_words_index = _index_bad_words(self._bad_words_token_ids)
+        banned = set(node.banned)
+        for i in range(len(token_ids) - 1, start - 1, -1):
+            node = node.children.get(token_ids[i])
+            if node is None:
+                break
+            banned |= node.banned
         return banned
 
+    def stop_matcher(self) -> StopStringMatcher | None:
+        """The Aho-Corasick automaton over `stop` (None without stop strings): built at first
+        use, rebuilt if `stop` was changed since, and shared by clones."""
+        if not self.stop:
+            return None
+        matcher = self._stop_matcher
+        if matcher is None or matcher.stops != tuple(self.stop):
+            matcher = self._stop_matcher = StopStringMatcher(self.stop)
+        return matcher
+
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """An independent copy. The validated containers hold only ints, floats and strings,
+        so they are copied one level deep (a deepcopy walks every element: 128 children of a
+        request with a 262144-entry logit_bias took seconds); the derived stop-string
+        automaton, bad-words sequences and index are read-only and shared."""
+        memo: dict[int, Any] = {}
+        for name in ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids",
+                     "bad_words", "_all_stop_token_ids", "_eos_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, (list, dict, set)):
+                memo[id(value)] = copy.copy(value)
+        memo[id(self._bad_words_token_ids)] = self._bad_words_token_ids
+        new = copy.deepcopy(self, memo)  # __getstate__ leaves the derived caches out
+        new._stop_matcher = self.stop_matcher()
+        new._bad_words_index = self._bad_words_index
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (e.g. to tensor-parallel workers, which do not sample) without the derived
+        caches: they are rebuilt where they are used."""
+        state = self.__dict__.copy()
+        state["_stop_matcher"] = state["_bad_words_index"] = None
+        return state
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if not k.startswith("_"))

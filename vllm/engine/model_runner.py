@@ -392,10 +392,12 @@ class ModelRunner:
         md.max_num_logprobs = max(wanted) if wanted else None
         rows, cols = [], []  # banned this step: stop tokens before min_tokens, bad words
         for i, (state, p) in enumerate(zip(states, params)):
-            banned = set(p.all_stop_token_ids) if state.num_output_tokens < p.min_tokens \
-                else set()
+            banned = p.all_stop_token_ids if state.num_output_tokens < p.min_tokens else ()
             if p.bad_words:
-                banned |= p.banned_by_bad_words(state.token_ids[len(state.prompt_token_ids):])
+                # The whole sequence and where the output starts: slicing the output off
+                # would copy it every step.
+                words = p.banned_by_bad_words(state.token_ids, len(state.prompt_token_ids))
+                banned = words.union(banned)
             for token in banned:
                 if token < vocab_size:
                     rows.append(i)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.engine.sched_output import EngineCoreOutput, LogprobsLists
+from vllm.engine.stop_matcher import StopStringMatcher
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -53,17 +54,16 @@ class IncrementalDetokenizer:
 
 def find_stop_string(text: str, num_new_chars: int, stops: list[str],
                      include: bool) -> tuple[str, int] | None:
-    """The earliest stop string completed by the last `num_new_chars` characters, and the
-    length to truncate the text to (before it, or after it when `include`)."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        start = max(0, len(text) - num_new_chars - len(stop) + 1)
-        index = text.find(stop, start)
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, stop)
-    if best is None:
+    """The earliest stop string completed by the last `num_new_chars` characters (at equal
+    starts, the one listed first), and the length to truncate the text to (before it, or
+    after it when `include`). One-off form of what a sequence's StopStringCursor does step by
+    step: it reads only the window the longest stop string can reach back into."""
+    matcher = StopStringMatcher(stops)
+    window = max(len(text) - num_new_chars - matcher.max_len + 1, 0)
+    found = matcher.cursor(window).find(text, num_new_chars)
+    if found is None:
         return None
-    index, stop = best
+    index, stop = found
     return stop, index + len(stop) if include else index
 
 
@@ -87,11 +87,18 @@ class SequenceState:
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                                    params.skip_special_tokens)
                             if params.detokenize and tokenizer is not None else None)
+        # Per step, stop matching reads only the new characters: the request's automaton
+        # (shared by its n sequences) and this sequence's position in it.
+        matcher = params.stop_matcher() if self.detokenizer is not None else None
+        self.stop_cursor = matcher.cursor() if matcher is not None else None
+        self.hold = params.output_text_buffer_length
+        """Characters held back from unfinished text (computed once: it is a max over the
+        stop strings)."""
 
     def completion(self, delta: bool = False) -> CompletionOutput:
         """The completion so far, or with `delta` what was added since the last delta."""
         text = self.text
-        hold = self.params.output_text_buffer_length
+        hold = self.hold
         if hold and self.finish_reason is None:
             text = text[:max(len(text) - hold, 0)]
         tokens, logprobs = self.token_ids, self.logprobs
@@ -231,15 +238,14 @@ class OutputProcessor:
         if out.finished:
             new_text += seq.detokenizer.flush()
         seq.text += new_text
-        if (not new_text or not params.stop or len(seq.token_ids) < params.min_tokens
+        if (not new_text or seq.stop_cursor is None or len(seq.token_ids) < params.min_tokens
                 or out.finish_reason == "stop"):
             return False
-        found = find_stop_string(seq.text, len(new_text), params.stop,
-                                 params.include_stop_str_in_output)
+        found = seq.stop_cursor.find(seq.text, len(new_text))
         if found is None:
             return False
-        stop, length = found
-        seq.text = seq.text[:length]
+        index, stop = found
+        seq.text = seq.text[:index + len(stop) if params.include_stop_str_in_output else index]
         seq.finish_reason, seq.stop_reason = "stop", stop
         # A request that just hit its length limit is already finished in the scheduler.
         return not out.finished
