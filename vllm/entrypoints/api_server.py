@@ -5,14 +5,18 @@
 POST /generate with JSON {"prompt": "...", "stream": false, <SamplingParams fields>} answers
 {"text": [prompt + completion, ...]} (one entry per `n`); with "stream": true it sends the
 same object after every step, each followed by a null byte ("\\0"). GET /health answers 200.
-Errors are {"error": {"message", "type", "param", "code"}} with status 400. SIGTERM drains as
-`vllm serve` does (--shutdown-timeout).
+Errors are {"error": {"message", "type", "param", "code"}} with status 400 (a bad field: `param`
+names it; `n` is at most 128 as on the OpenAI server) or 500 (the engine failed the request).
+SIGTERM drains as `vllm serve` does (--shutdown-timeout). If the engine dies the server stops
+and exits 1, so that a supervisor restarts it.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -41,13 +45,13 @@ def build_app(engine: AsyncLLM) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    from vllm.entrypoints.openai.api_server import _GuardMiddleware
+    from vllm.entrypoints.openai.request_guard import RequestGuard
     from vllm.sampling_params import SamplingParams
 
     state = _State(engine)
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    app.add_middleware(_GuardMiddleware, state=state)
+    app.add_middleware(RequestGuard, state=state)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -73,10 +77,11 @@ def build_app(engine: AsyncLLM) -> Any:
         if not isinstance(stream, bool):
             raise OpenAIError("stream must be true or false", param="stream")
         kwargs = {k: v for k, v in body.items() if k not in _NOT_SAMPLING}
+        check_sampling_fields(kwargs)
         try:
             params = SamplingParams(**kwargs)
         except TypeError as exc:
-            raise OpenAIError(f"unknown sampling parameter: {exc}") from None
+            raise OpenAIError(f"invalid sampling parameters: {exc}") from None
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise OpenAIError(str(exc), param=field if field in kwargs else None) from None
@@ -96,6 +101,8 @@ def build_app(engine: AsyncLLM) -> Any:
                 try:
                     async for output in rstream:
                         yield (json.dumps(texts(output)) + "\0").encode("utf-8")
+                except EngineDeadError as exc:  # the status is sent: the error is the last item
+                    yield (json.dumps(OpenAIError(str(exc), 500).body()) + "\0").encode()
                 finally:
                     if not rstream.finished:
                         engine.abort_nowait([request_id])
@@ -128,6 +135,49 @@ def build_app(engine: AsyncLLM) -> Any:
         return JSONResponse(texts(final))
 
     return app
+
+
+# Numeric SamplingParams fields: range-checked here so that a value the engine cannot hold
+# (an integer past int64, a float that is not finite) is a 400 naming the field.
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                 "top_p", "min_p")
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def check_sampling_fields(kwargs: dict[str, Any]) -> None:
+    """Raise a 400 OpenAIError naming the first field of a /generate body that is not a
+    SamplingParams field, or whose value is out of what the engine allows: `n` in
+    [1, MAX_N] (the OpenAI server's cap), integers within int64, finite numbers. The value
+    rules of each field (top_p in (0, 1] ...) are SamplingParams' own."""
+    from vllm.entrypoints.openai.serving_completion import MAX_N
+    from vllm.sampling_params import SamplingParams
+
+    known = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+    for name in kwargs:
+        if name not in known:
+            raise OpenAIError(f"unknown field {name!r}: /generate takes prompt, stream and the "
+                              f"SamplingParams fields ({', '.join(sorted(known))})", param=name)
+    for name in _INT_FIELDS:
+        value = kwargs.get(name)
+        if value is None and name != "n":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise OpenAIError(f"{name} must be an integer, got {value!r}", param=name)
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise OpenAIError(f"{name} must be between {_INT64[0]} and {_INT64[1]}, got "
+                              f"{value}", param=name)
+    n = kwargs.get("n", 1)
+    if not 1 <= n <= MAX_N:
+        raise OpenAIError(f"n must be between 1 and {MAX_N}, got {n}", param="n")
+    for name in _FLOAT_FIELDS:
+        if name not in kwargs:
+            continue
+        value = kwargs[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            raise OpenAIError(f"{name} must be a finite number, got {value!r}", param=name)
 
 
 async def _last(stream: Any) -> Any:
@@ -183,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sock.close()
         engine.shutdown()
+    if server.engine_failed:  # (it logged why) a supervisor should restart it
+        return 1
     return 0
 
 

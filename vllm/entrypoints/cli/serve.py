@@ -27,8 +27,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--port", type=int, default=DEFAULT_PORT,
                        help="Port to bind. Default: %(default)s.")
     group.add_argument("--api-key", default=None,
-                       help="Require `Authorization: Bearer <key>` on every /v1 route "
-                       "(default: VLLM_API_KEY, else no key).")
+                       help="Require `Authorization: Bearer <key>` on every route but "
+                       "/health and /ping (and /metrics, see --require-api-key-for-metrics). "
+                       "Default: the VLLM_API_KEY environment variable (keeps the key out of "
+                       "`ps`), else no key.")
     group.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="On SIGTERM or SIGINT (Ctrl-C), seconds running requests may "
                        "take to finish before they are aborted. Default: %(default)s.")

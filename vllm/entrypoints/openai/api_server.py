@@ -2,7 +2,9 @@
 
 Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or server-sent events),
 `/tokenize`, `/detokenize` (vLLM's), `/health`, `/version`, `/metrics` (Prometheus text). With
-an API key (`--api-key` or VLLM_API_KEY) every `/v1` route needs `Authorization: Bearer <key>`.
+an API key (`--api-key` or VLLM_API_KEY) every route but /health, /ping and /metrics needs
+`Authorization: Bearer <key>`; body size, content type and the URL prefix are checked before
+any route runs (request_guard.py).
 
 Life cycle: the engine is built (model loaded, compiled) before the socket is bound, so
 `/health` answers 200 only once the server can generate. SIGTERM (or Ctrl+C) starts a
@@ -16,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import hmac
 import json
 import signal
 import socket
@@ -36,9 +37,11 @@ from vllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     OpenAIError,
     TokenizeRequest,
+    decode_json_body,
     error_body,
     parse_request,
 )
+from vllm.entrypoints.openai.request_guard import RequestGuard, RootPathMiddleware
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import ClientDisconnected, OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -86,60 +89,6 @@ def _own_copy(tokenizer: Any) -> Any:
         return tokenizer
 
 
-class _GuardMiddleware:
-    """Plain ASGI (no buffering, so streams and disconnects pass through): 503 while
-    draining, 401 on /v1 routes without the right bearer token."""
-
-    def __init__(self, app: Any, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        state = self.state
-        if state.draining and path != "/metrics":
-            await _send_json(send, 503, error_body("the server is shutting down", 503))
-            return
-        if state.api_key and path.startswith("/v1"):
-            headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            expected = f"Bearer {state.api_key}"
-            if not hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8")):
-                await _send_json(send, 401, error_body(
-                    "invalid or missing API key: send `Authorization: Bearer <key>`", 401))
-                return
-        await self.app(scope, receive, send)
-
-
-class _RootPathMiddleware:
-    """--root-path: a request under the prefix (`/x/v1/models`) is routed as `/v1/models`,
-    with the prefix in scope["root_path"]; unprefixed requests (a proxy that strips the
-    prefix) pass as they are."""
-
-    def __init__(self, app: Any, root_path: str) -> None:
-        self.app = app
-        self.root_path = root_path.rstrip("/")
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] in ("http", "websocket") and self.root_path and (
-                path == self.root_path or path.startswith(self.root_path + "/")):
-            scope = dict(scope, path=path[len(self.root_path):] or "/",
-                         root_path=scope.get("root_path", "") + self.root_path)
-        await self.app(scope, receive, send)
-
-
-async def _send_json(send: Any, status: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
-
-
 def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str | None = None,
               metrics: ServerMetrics | None = None,
               options: FrontendOptions | None = None) -> Any:
@@ -155,14 +104,16 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
     app = FastAPI(title="vLLM-compatible OpenAI API", version=__version__,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    app.add_middleware(_GuardMiddleware, state=state)
+    app.add_middleware(RequestGuard, state=state,
+                       max_request_body_mb=options.max_request_body_mb,
+                       require_api_key_for_metrics=options.require_api_key_for_metrics)
     # (added last, so it runs first: a browser's preflight OPTIONS needs no API key)
     app.add_middleware(CORSMiddleware, allow_origins=options.allowed_origins,
                        allow_methods=options.allowed_methods,
                        allow_headers=options.allowed_headers,
                        allow_credentials=options.allow_credentials)
     if options.root_path:  # (outermost: the guard and the routes see the path without it)
-        app.add_middleware(_RootPathMiddleware, root_path=options.root_path)
+        app.add_middleware(RootPathMiddleware, root_path=options.root_path)
 
     class SSEResponse(StreamingResponse):
         """Closes the body iterator however the response ends (a dropped client included),
@@ -198,12 +149,11 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
         logger.exception("request failed")
         return JSONResponse(error_body(f"internal error: {exc!r}", 500), status_code=500)
 
-    async def read_json(raw: Request) -> Any:
+    async def read_request(raw: Request, model_cls: type) -> Any:
+        # Parsing and validating up to --max-request-body-mb runs off the event loop.
         body = await raw.body()
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise OpenAIError(f"Invalid JSON in the request body: {exc}", 400) from None
+        return await asyncio.to_thread(lambda: parse_request(model_cls,
+                                                             decode_json_body(body)))
 
     def respond(result: dict | AsyncIterator[str]) -> Response:
         if isinstance(result, dict):
@@ -231,15 +181,15 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        root = engine.model_config.model
+        # `root` is the served name: the model's local path is no client's business.
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": state.created, "owned_by": "vllm",
-             "root": root, "parent": None, "max_model_len": state.max_model_len,
+             "root": name, "parent": None, "max_model_len": state.max_model_len,
              "permission": []} for name in state.served_model_names]})
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        request = parse_request(CompletionRequest, await read_json(raw))
+        request = await read_request(raw, CompletionRequest)
         try:
             return respond(await state.completion.create_completion(request, raw))
         except ClientDisconnected:
@@ -247,7 +197,7 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        request = parse_request(ChatCompletionRequest, await read_json(raw))
+        request = await read_request(raw, ChatCompletionRequest)
         try:
             return respond(await state.chat.create_chat_completion(request, raw))
         except ClientDisconnected:
@@ -255,12 +205,12 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> JSONResponse:
-        request = parse_request(TokenizeRequest, await read_json(raw))
+        request = await read_request(raw, TokenizeRequest)
         return JSONResponse(state.tokenization.tokenize(request))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> JSONResponse:
-        request = parse_request(DetokenizeRequest, await read_json(raw))
+        request = await read_request(raw, DetokenizeRequest)
         return JSONResponse(state.tokenization.detokenize(request))
 
     return app
@@ -272,14 +222,30 @@ def _uvicorn_server_class() -> type:
 
     class GracefulServer(uvicorn.Server):
         """uvicorn with our signal handling: drain, then exit 0 (uvicorn alone would re-raise
-        the signal after its own shutdown, and would stop answering at once)."""
+        the signal after its own shutdown, and would stop answering at once).
+
+        When the engine dies (`state.engine.errored`) the server stops by itself:
+        `engine_failed` turns True (the caller then exits 1, so a supervisor restarts it);
+        the engine has already failed the running requests, which get their error
+        response while uvicorn closes (its graceful-shutdown timeout)."""
 
         def __init__(self, config: Any, state: ServerState, shutdown_timeout: float) -> None:
             super().__init__(config)
             self.state = state
             self.shutdown_timeout = shutdown_timeout
+            self.engine_failed = False
             self._loop: asyncio.AbstractEventLoop | None = None
             self._drain_task: asyncio.Task | None = None
+
+        async def on_tick(self, counter: int) -> bool:
+            # (uvicorn calls this every 0.1 s while serving)
+            engine = self.state.engine
+            if not self.engine_failed and engine.errored:
+                self.engine_failed = True
+                logger.error("The engine died (%s): stopping the server, exit code 1",
+                             getattr(engine, "dead_error", None) or "engine errored")
+                self.should_exit = True
+            return await super().on_tick(counter)
 
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[override]
@@ -341,8 +307,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine from the parsed flags (EngineArgs' plus those of
-    `vllm.entrypoints.cli.serve.add_server_args`), serve until SIGTERM/SIGINT, return 0.
-    Raises ValueError for flags that cannot be resolved (the CLI prints them)."""
+    `vllm.entrypoints.cli.serve.add_server_args`), serve until SIGTERM/SIGINT, return 0;
+    return 1 when the engine dies (the server stops at once: a supervisor should restart
+    it) or uvicorn could not start. Raises ValueError for flags that cannot be resolved (the
+    CLI prints them)."""
 
     from vllm import envs
     from vllm.engine.arg_utils import EngineArgs
@@ -379,6 +347,9 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         engine.shutdown()
+    if server.engine_failed:
+        logger.error("server stopped because the engine died: exit code 1")
+        return 1
     logger.info("server stopped")
     return 0
 

@@ -27,6 +27,26 @@ class FrontendOptions:
     allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    max_request_body_mb: float = 32.0
+    """Request bodies larger than this are refused with 413 before they are parsed."""
+    max_prompts_per_request: int = 1024
+    """Prompts one /v1/completions request may carry in its `prompt` list."""
+    require_api_key_for_metrics: bool = False
+    """With an API key, /metrics needs it too (it is open by default, for scrapers)."""
+
+    def __post_init__(self) -> None:
+        if not self.max_request_body_mb > 0:
+            raise ValueError(f"--max-request-body-mb must be > 0, got "
+                             f"{self.max_request_body_mb}")
+        if self.max_prompts_per_request < 1:
+            raise ValueError(f"--max-prompts-per-request must be >= 1, got "
+                             f"{self.max_prompts_per_request}")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            # A wildcard with credentials makes the CORS layer echo any site's Origin, so
+            # every web page a user opens could send credentialed requests here.
+            raise ValueError("--allow-credentials cannot be combined with --allowed-origins "
+                             "'[\"*\"]': list the origins that may send credentials, e.g. "
+                             "--allowed-origins '[\"https://app.example.com\"]'")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> FrontendOptions:
@@ -42,7 +62,10 @@ class FrontendOptions:
                    max_log_len=args.max_log_len, root_path=args.root_path,
                    allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                    allowed_headers=args.allowed_headers,
-                   allow_credentials=args.allow_credentials)
+                   allow_credentials=args.allow_credentials,
+                   max_request_body_mb=args.max_request_body_mb,
+                   max_prompts_per_request=args.max_prompts_per_request,
+                   require_api_key_for_metrics=args.require_api_key_for_metrics)
 
 
 def json_list(flag: str):
@@ -93,4 +116,15 @@ def add_frontend_args(group: Any) -> None:
                        default=d.allowed_headers, help="CORS headers (JSON list). Default: "
                        "[\"*\"].")
     group.add_argument("--allow-credentials", action="store_true",
-                       help="CORS: allow credentials.")
+                       help="CORS: allow credentials (needs --allowed-origins naming the "
+                       "origins; refused with the wildcard).")
+    group.add_argument("--max-request-body-mb", type=float, default=d.max_request_body_mb,
+                       help="Refuse request bodies larger than this many MiB (413). Default: "
+                       "%(default)s.")
+    group.add_argument("--max-prompts-per-request", type=int,
+                       default=d.max_prompts_per_request,
+                       help="Prompts one /v1/completions request may batch in `prompt`. "
+                       "Default: %(default)s.")
+    group.add_argument("--require-api-key-for-metrics", action="store_true",
+                       help="With --api-key, protect /metrics too (open by default for "
+                       "Prometheus scrapers; /health and /ping are always open).")

@@ -7,9 +7,21 @@ HTTP status in `code`; `OpenAIError` carries one through the server.
 """
 from __future__ import annotations
 
+import json
+import math
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 from pydantic import ValidationError as PydanticValidationError
 
 from vllm.logger import init_logger
@@ -17,13 +29,18 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 __all__ = [
-    "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "OpenAIError",
-    "StreamOptions", "TokenizeRequest", "error_body", "from_validation_error", "parse_request",
+    "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "MAX_JSON_DEPTH",
+    "OpenAIError", "StreamOptions", "TokenizeRequest", "decode_json_body", "error_body",
+    "from_validation_error", "parse_request",
 ]
+
+MAX_JSON_DEPTH = 64
+"""Nesting allowed in a request body (objects and arrays); real requests use under 10."""
 
 _ERROR_TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-    405: "MethodNotAllowedError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError",
+    405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError", 422: "UnprocessableEntityError",
     500: "InternalServerError", 503: "ServiceUnavailableError",
 }
 
@@ -81,7 +98,7 @@ def from_validation_error(exc: PydanticValidationError) -> OpenAIError:
         param = _loc_to_param(first["loc"][:1])
         return OpenAIError(f"{param} must be {_FIELD_HINTS[field]}", 400, param)
     param = _loc_to_param(first["loc"]) or None
-    msg = first["msg"]
+    msg = re.sub(r" or instance of \w+", "", first["msg"])  # (no internal class names)
     if first["type"] == "missing":
         msg = "Field required"
     got = first.get("input")
@@ -89,6 +106,65 @@ def from_validation_error(exc: PydanticValidationError) -> OpenAIError:
     if first["type"] != "missing" and not isinstance(got, (dict, list)):
         detail += f" (got {got!r})"
     return OpenAIError(detail, 400, param)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise OpenAIError(f"Invalid JSON in the request body: {name} is not a JSON number", 400)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise OpenAIError(f"Invalid JSON in the request body: the number {text[:40]} is out of "
+                          f"the range of a double", 400)
+    return value
+
+
+def decode_json_body(body: bytes) -> Any:
+    """A request body as strict JSON (no NaN/Infinity, no number that overflows a double,
+    integers of at most 4300 digits), nested at most MAX_JSON_DEPTH deep, every string valid
+    Unicode (no lone surrogates such as "\\ud800"). OpenAIError (400) naming the problem."""
+    try:
+        data = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(f"Invalid JSON in the request body: {exc}", 400) from None
+    except RecursionError:
+        raise OpenAIError(f"Invalid JSON in the request body: nested more than "
+                          f"{MAX_JSON_DEPTH} levels deep", 400) from None
+    except ValueError as exc:  # e.g. "Exceeds the limit (4300 digits) for integer string"
+        raise OpenAIError(f"Invalid JSON in the request body: {exc}", 400) from None
+    _check_json_values(data)
+    return data
+
+
+def _check_json_values(data: Any) -> None:
+    """Walk the decoded body once (iteratively: no recursion to exhaust)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                param = where or None
+                raise OpenAIError(f"{where or 'the request body'} is not valid Unicode (it holds "
+                                  f"a lone surrogate such as \\ud800)", 400, param) from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise OpenAIError(f"Invalid JSON in the request body: nested more than "
+                              f"{MAX_JSON_DEPTH} levels deep", 400)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise OpenAIError(f"{where or 'the request body'} has a key that is not "
+                                      f"valid Unicode", 400, where or None) from None
+                stack.append((item, f"{where}.{key}" if where else key, depth + 1))
+        else:
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
 
 
 class OpenAIBaseModel(BaseModel):
@@ -191,6 +267,34 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+class _FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # (handed to the chat template as sent)
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class _ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: _FunctionDefinition
+
+    def as_sent(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)
+
+
+class _FunctionName(OpenAIBaseModel):
+    name: StrictStr
+
+
+class _NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: _FunctionName
+
+
 class _ChatTemplateFields(OpenAIBaseModel):
     """How messages are rendered with the chat template (chat completions and /tokenize)."""
 
@@ -198,7 +302,12 @@ class _ChatTemplateFields(OpenAIBaseModel):
     continue_final_message: StrictBool = False
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[_ToolDefinition] | None = None
+    """OpenAI tool definitions ({"type": "function", "function": {"name": ...}}); the chat
+    template gets them as sent (`tool_dicts`)."""
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.as_sent() for t in self.tools]
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
@@ -210,6 +319,13 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, choice: str | dict[str, Any] | None) -> str | dict | None:
+        if isinstance(choice, dict):
+            _NamedToolChoice.model_validate(choice)
+        return choice
     echo: StrictBool = False
     """vLLM's: start the reply with the last message's content when that message has the
     reply's role (continuing an assistant message)."""

@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         template = self._template(request)
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
         if request.tools:
-            kwargs["tools"] = request.tools
+            kwargs["tools"] = request.tool_dicts()
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False,
@@ -247,8 +247,8 @@ def check_tool_choice(request: ChatCompletionRequest) -> None:
     if not request.tools:
         raise OpenAIError(f"tool_choice {choice!r} needs tools", 400, "tool_choice")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        names = [(t.get("function") or {}).get("name") for t in request.tools]
+        name = choice["function"]["name"]  # (the shape is checked by the request model)
+        names = [t.function.name for t in request.tools]
         if name not in names:
             raise OpenAIError(f"tool_choice names the function {name!r}, which is not among "
                               f"the tools ({', '.join(map(str, names))})", 400, "tool_choice")
