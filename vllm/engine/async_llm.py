@@ -17,8 +17,12 @@ Contract for callers:
     (prompt too long, bad params) so an HTTP layer can still answer 400.
   * `abort(request_id)`; `get_stats()` (the engine's `stats()` as of the last step, plus the
     number of requests in flight); `wait_for_idle(timeout)`; `shutdown()`.
-  * If `engine.step()` raises, every stream fails with `EngineDeadError`, `errored` turns
-    True and new requests are refused.
+  * A request the engine failed on its own (its `pop_request_errors()` names it; the engine
+    goes on) ends its stream with `RequestFailedError`.
+  * If `engine.step()` raises, or the engine reports its death from another thread (its
+    `start_health_monitor(callback)`, e.g. a tensor-parallel worker exited while idle),
+    every stream fails with `EngineDeadError`, `errored` turns True (`dead_error` says why)
+    and new requests are refused.
 """
 from __future__ import annotations
 
@@ -37,11 +41,20 @@ from vllm.outputs import RequestOutput
 
 logger = init_logger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream", "StatObserver"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream",
+           "StatObserver"]
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (a step raised, or `shutdown()` was called)."""
+
+
+class RequestFailedError(EngineDeadError):
+    """This request failed inside the engine, which goes on serving the others.
+
+    A subclass of EngineDeadError only so that every layer that answers an engine failure
+    (a 500 with an OpenAI-style body, an error event in a stream) answers this one the same
+    way; whether the engine lives is `AsyncLLM.errored`."""
 
 
 class StatObserver(Protocol):
@@ -58,6 +71,7 @@ class StatObserver(Protocol):
 
 
 _STOP = object()
+_DEAD = object()  # from the health monitor: the engine died while the thread may be idle
 
 
 @dataclasses.dataclass
@@ -224,6 +238,11 @@ class AsyncLLM:
         return self._dead is not None
 
     @property
+    def dead_error(self) -> BaseException | None:
+        """What killed the engine (None while it lives)."""
+        return self._dead
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
@@ -372,7 +391,20 @@ class AsyncLLM:
             built.set_exception(exc)
             return
         built.set_result(None)
+        monitor = getattr(self.engine, "start_health_monitor", None)
+        if callable(monitor):
+            monitor(self._on_engine_dead)
         self._run()
+
+    def _on_engine_dead(self, error: BaseException) -> None:
+        """The engine's monitor (another thread) saw it die: fail everything now, even if the
+        engine thread is idle or stuck in a step, and wake that thread to stop."""
+        if self._dead is not None or self._stopped:
+            return
+        self._dead = error
+        logger.error("The engine died: %s", error)
+        self._fail_all(EngineDeadError(f"engine died: {error}"))
+        self._commands.put(_DEAD)
 
     def _run(self) -> None:
         engine = self.engine
@@ -390,6 +422,8 @@ class AsyncLLM:
                 for command in commands:
                     if command is _STOP:
                         stop = True
+                    elif command is _DEAD:
+                        raise EngineDeadError(f"engine died: {self._dead}")
                     elif isinstance(command, _Add):
                         self._handle_add(command)
                     elif isinstance(command, _Call):
@@ -402,18 +436,24 @@ class AsyncLLM:
                 outputs = engine.step() if engine.has_unfinished_requests() else []
                 # Stats first: a client that sees its final output also sees its blocks freed.
                 self._stats = self._read_stats()
-                self._deliver(outputs)
+                self._deliver(outputs, self._pop_request_errors())
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
-            logger.exception("engine loop died")
-            self._dead = exc
-            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+            if self._dead is None:
+                logger.exception("engine loop died")
+                self._dead = exc
+            dead = self._dead
+            self._fail_all(EngineDeadError(f"engine loop died: {dead!r}"))
             while True:  # fail any add that raced with the crash
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
                 if isinstance(command, (_Add, _Call)) and not command.done.done():
-                    command.done.set_exception(EngineDeadError(f"engine loop died: {exc!r}"))
+                    command.done.set_exception(EngineDeadError(f"engine loop died: {dead!r}"))
+
+    def _pop_request_errors(self) -> dict[str, BaseException]:
+        pop = getattr(self.engine, "pop_request_errors", None)
+        return pop() if callable(pop) else {}
 
     def _handle_add(self, command: _Add) -> None:
         if command.done.cancelled():
@@ -452,21 +492,39 @@ class AsyncLLM:
             for stream in aborted:
                 stream.loop.call_soon_threadsafe(stream._put_aborted)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput],
+                 errors: dict[str, BaseException] | None = None) -> None:
+        """Hand outputs to their streams; a request in `errors` (failed by the engine) ends
+        its stream with RequestFailedError instead of its last output."""
         now = time.monotonic()
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         observer = self.stat_observer
+        errors = dict(errors or {})
         for output in outputs:
+            error = errors.pop(output.request_id, None)
             with self._lock:
                 stream = self._streams.get(output.request_id)
-                if stream is not None and output.finished:
+                if stream is not None and (output.finished or error is not None):
                     del self._streams[output.request_id]
             if stream is None:
                 continue  # aborted by its consumer
             if observer is not None:
-                self._observe(observer, stream, output, now)
-            item = _snapshot(output) if self._copy_outputs else output
+                try:
+                    self._observe(observer, stream, output, now)
+                except Exception:  # noqa: BLE001 - metrics must never kill the loop
+                    logger.debug("stat observer raised", exc_info=True)
+            item: Any
+            if error is not None:
+                item = _request_failed(output.request_id, error)
+            else:
+                item = _snapshot(output) if self._copy_outputs else output
             by_loop.setdefault(stream.loop, []).append((stream, item))
+        for request_id, error in errors.items():  # failed with no output to show
+            with self._lock:
+                stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append(
+                    (stream, _request_failed(request_id, error)))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_many, items)
@@ -536,6 +594,11 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - metrics must never kill the loop
             logger.debug("engine.stats() raised", exc_info=True)
             return dict(self._stats) if hasattr(self, "_stats") else {}
+
+
+def _request_failed(request_id: str, error: BaseException) -> RequestFailedError:
+    return RequestFailedError(f"request {request_id} failed in the engine (which goes on "
+                              f"serving other requests): {error!r}")
 
 
 def _put_many(items: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -1,13 +1,20 @@
 """Executor: runs the workers. One process for tensor_parallel_size 1."""
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import socket
+import threading
+import time
 import traceback
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vllm.engine.errors import EngineFatalError
 from vllm.engine.worker import GiB, Worker
 from vllm.logger import init_logger, set_process_prefix
 
@@ -37,6 +44,13 @@ class Executor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise if the workers can no longer run the model (see `Worker.check_health`)."""
+
+    def start_health_monitor(self, on_dead: Callable[[BaseException], None]) -> None:
+        """Call `on_dead(error)` from another thread when the executor dies between calls
+        (a worker process exits). One process has nothing to watch."""
 
     def shutdown(self) -> None:
         pass
@@ -95,16 +109,27 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def check_health(self) -> None:
+        self._call_all("check_health")
+
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+WORKER_REPLY_TIMEOUT_S = 30.0
+"""After rank 0 failed a call: how long the other ranks may take to answer it. One that does
+not is presumably stuck in a collective that rank 0 left, and the engine is dead."""
 
 
 class MultiprocExecutor(UniProcExecutor):
     """Tensor parallelism: rank 0 runs in this process, ranks 1..N-1 in spawned processes.
 
     Every call goes to all ranks (the workers first, since the forward holds collectives) and
-    waits for each rank's answer, so a failure on any rank surfaces here with its traceback
-    instead of hanging the others.
+    waits for each rank's answer, also when rank 0 failed (so the next call reads its own
+    answers), so a failure on any rank surfaces here with its traceback instead of hanging
+    the others. A worker that dies or stops answering raises EngineFatalError naming its rank
+    and pid; between calls a monitor thread watches the worker processes, so an idle engine
+    learns of a death at once (`start_health_monitor`).
     """
 
     def __init__(self, vllm_config: VllmConfig, load_format: str = "auto") -> None:
@@ -122,7 +147,9 @@ class MultiprocExecutor(UniProcExecutor):
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        self._watch = _WorkerWatch(self._procs)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns,
+                                           self._watch)
         self.worker = Worker(vllm_config, rank=0, local_rank=0,
                              distributed_init_method=init_method)
         try:
@@ -131,6 +158,7 @@ class MultiprocExecutor(UniProcExecutor):
         except BaseException:
             self.shutdown()
             raise
+        self._watch.start()
 
     def _wait_until_started(self) -> None:
         """Each worker says "started" once it runs: rank 0 must not enter the process-group
@@ -152,29 +180,137 @@ class MultiprocExecutor(UniProcExecutor):
                     "engine under `if __name__ == \"__main__\":`.") from None
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
-        for conn in self._conns:
-            conn.send((method, args))
-        # On a failure here the workers may be stuck in a collective waiting for rank 0:
-        # the error propagates and shutdown() stops them.
-        results = [getattr(self.worker, method)(*args)]
+        if self._watch.error is not None:
+            raise EngineFatalError(str(self._watch.error))
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
-            while not conn.poll(1.0):
-                if not proc.is_alive():
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code "
-                                       f"{proc.exitcode}) during {method}")
-            status, value = conn.recv()
+            try:
+                conn.send((method, args))
+            except OSError:  # (BrokenPipeError) it is gone
+                raise self._watch.report(_death(rank, proc, f"before {method}")) from None
+        try:
+            results = [getattr(self.worker, method)(*args)]
+            failed: Exception | None = None
+        except Exception as exc:  # noqa: BLE001 - re-raised once the workers answered
+            results, failed = [None], exc
+        deadline = time.monotonic() + WORKER_REPLY_TIMEOUT_S if failed is not None else None
+        errors = []
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
+            status, value = self._answer(rank, proc, conn, method, deadline)
             if status == "error":
-                raise RuntimeError(f"tensor-parallel worker rank {rank} failed in {method}:\n"
-                                   f"{value}")
+                errors.append(f"tensor-parallel worker rank {rank} failed in {method}:\n"
+                              f"{value}")
             results.append(value)
+        if failed is not None:
+            raise failed
+        if errors:
+            raise RuntimeError("\n".join(errors))
         return results
+
+    def _answer(self, rank: int, proc: Any, conn: Any, method: str,
+                deadline: float | None) -> tuple[str, Any]:
+        while not conn.poll(0.5):
+            if not proc.is_alive():
+                raise self._watch.report(_death(rank, proc, f"during {method}"))
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._watch.report(EngineFatalError(
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) did not answer "
+                    f"{method} within {WORKER_REPLY_TIMEOUT_S:.0f} s after rank 0 failed it: "
+                    "it is presumably stuck in a collective"))
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            raise self._watch.report(_death(rank, proc, f"during {method}")) from None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call_all("execute_model", scheduler_output)[0]
 
+    def start_health_monitor(self, on_dead: Callable[[BaseException], None]) -> None:
+        self._watch.add_callback(on_dead)
+
     def shutdown(self) -> None:
         self._finalizer()
         self.worker.shutdown()
+
+
+class _WorkerWatch:
+    """Watches the worker processes from a daemon thread; the first death (or hang) is the
+    engine's: it is kept in `error` and handed to every callback, once."""
+
+    def __init__(self, procs: list[Any]) -> None:
+        self.procs = procs
+        self.error: EngineFatalError | None = None
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[BaseException], None]] = []
+        self._wake_reader, self._wake_writer = multiprocessing.Pipe(duplex=False)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        # Before multiprocessing's own exit hook ends the (daemonic) workers: that is no death.
+        atexit.register(self.stop)
+        self._thread = threading.Thread(target=self._run, name="vllm-tp-worker-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Before the workers are stopped on purpose: their exits are no death."""
+        self.stopping.set()
+        try:
+            self._wake_writer.send_bytes(b"stop")
+        except OSError:
+            pass
+
+    def add_callback(self, callback: Callable[[BaseException], None]) -> None:
+        with self._lock:
+            error = self.error
+            if error is None:
+                self._callbacks.append(callback)
+        if error is not None:
+            callback(error)
+
+    def report(self, error: EngineFatalError) -> EngineFatalError:
+        """Record the engine's death (the first one wins) and tell the callbacks; returns the
+        recorded error."""
+        with self._lock:
+            if self.error is not None or self.stopping.is_set():
+                return self.error or error
+            self.error = error
+            callbacks, self._callbacks = self._callbacks, []
+        logger.error("%s: the engine is dead", error)
+        for callback in callbacks:
+            try:
+                callback(error)
+            except Exception:  # noqa: BLE001 - one listener must not silence the others
+                logger.exception("engine death callback raised")
+        return error
+
+    def _run(self) -> None:
+        sentinels = {proc.sentinel: (rank, proc) for rank, proc in
+                     enumerate(self.procs, start=1)}
+        ready = multiprocessing.connection.wait([*sentinels, self._wake_reader])
+        if self.stopping.is_set():
+            return
+        for item in ready:
+            if item in sentinels:
+                rank, proc = sentinels[item]
+                proc.join(timeout=1)  # (reaps it: exitcode)
+                self.report(_death(rank, proc, "while the engine was idle or running"))
+                return
+
+
+def _death(rank: int, proc: Any, when: str) -> EngineFatalError:
+    code = proc.exitcode
+    if code is None:
+        how = "its pipe closed"
+    elif code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exit code {code}"
+    return EngineFatalError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died {when} "
+                            f"({how})")
 
 
 def _free_port() -> int:
@@ -183,16 +319,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_workers(procs: list[Any], conns: list[Any]) -> None:
+def _stop_workers(procs: list[Any], conns: list[Any], watch: _WorkerWatch) -> None:
+    # After a death the others may be stuck in a collective with the dead rank: do not wait
+    # for them to read "shutdown".
+    patience = 10.0 if watch.error is None else 1.0
+    watch.stop()
     for conn in conns:
         try:
             conn.send(("shutdown", ()))
         except (OSError, ValueError):
             pass
     for proc in procs:
-        proc.join(timeout=10)
+        proc.join(timeout=patience)
         if proc.is_alive():
             proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
             proc.join(timeout=5)
     for conn in conns:
         conn.close()

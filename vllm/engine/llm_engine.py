@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +16,7 @@ from vllm.engine.executor import Executor
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.request import Request, RequestStatus
 from vllm.engine.scheduler import Scheduler
+from vllm.engine.step_recovery import StepRecovery
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams, truncate_prompt
@@ -78,6 +79,7 @@ class LLMEngine:
         self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
                                    self.executor.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.step_recovery = StepRecovery(self)
         self._last_log = time.monotonic()
         self._generated_since_log = 0
         self._finish_startup(timer)
@@ -251,7 +253,13 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the RequestOutputs of requests that progressed
-        (cumulative text and tokens; `finished` once all n sequences are done)."""
+        (cumulative text and tokens; `finished` once all n sequences are done).
+
+        A request that makes the step fail is finished with finish_reason "error" (its
+        output is returned here, its exception by `pop_request_errors()`) and the others go
+        on (see `vllm.engine.step_recovery`). What step() raises means the engine is broken
+        (`vllm.engine.errors.is_fatal`): a worker died, a collective or the device failed,
+        or steps keep failing with no request to blame."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.scheduler.has_unfinished_requests():
             # The KV pool always holds one max-length sequence, so this is a bug: fail loudly
@@ -261,15 +269,36 @@ class LLMEngine:
                                f"requests: {self.scheduler.stats()}")
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        # A failure fails the requests that caused it (step_recovery); only an error that
+        # means the engine itself is broken leaves step().
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - contained or re-raised by the recovery
+            return self.step_recovery.after_failed_execute(scheduler_output, exc)
+        try:
+            core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs, stopped = self.output_processor.process_outputs(core_outputs)
+            if stopped:
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        except Exception as exc:  # noqa: BLE001 - contained or re-raised by the recovery
+            return self.step_recovery.after_failed_update(scheduler_output, exc)
+        self.step_recovery.on_success()
         if self.log_stats:
             self._generated_since_log += sum(len(o.new_token_ids) for o in core_outputs)
             self._maybe_log_stats()
         return outputs
+
+    def pop_request_errors(self) -> dict[str, BaseException]:
+        """request id -> exception, for the requests failed by a failing step since the last
+        call (`step()` returned their final output, finish_reason "error")."""
+        return self.step_recovery.pop_errors()
+
+    def start_health_monitor(self, on_dead: Callable[[BaseException], None]) -> None:
+        """Call `on_dead(error)` (from another thread) as soon as the executor sees the engine
+        die while it may be idle, e.g. a tensor-parallel worker process exiting."""
+        start = getattr(self.executor, "start_health_monitor", None)
+        if start is not None:
+            start(on_dead)
 
     def _maybe_log_stats(self, interval_s: float = 10.0) -> None:
         now = time.monotonic()
@@ -288,6 +317,7 @@ class LLMEngine:
         stats = self.scheduler.stats()
         stats["num_unfinished_requests"] = self.get_num_unfinished_requests()
         stats["block_size"] = self.vllm_config.cache_config.block_size
+        stats["num_failed_steps"] = self.step_recovery.num_failed_steps
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -179,6 +179,25 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    @torch.inference_mode()
+    def check_health(self) -> None:
+        """Raise if this rank can no longer run the model: a forward over a dummy request
+        (its KV in the reserved block 0, the warm-up's token count, so no recompile), the
+        logits of one row and, on the driver, greedy sampling. Touches no request's state.
+        Every rank must run it together (the forward holds the tensor-parallel
+        collectives)."""
+        from vllm.model_executor.layers.sampler import SamplingMetadata
+
+        runner = self.model_runner
+        num_tokens, _ = runner.warm_up_sizes()
+        hidden = runner.dummy_run(num_tokens)
+        logits = runner.model.compute_logits(hidden[:1])
+        if runner.is_driver:
+            runner.sampler(logits, SamplingMetadata(temperature=None, all_greedy=True,
+                                                    all_random=False))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a sticky device error shows up here
+
     def shutdown(self) -> None:
         """Leave the process group (tensor parallelism) and restore the thread count."""
         if self.vllm_config.parallel_config.world_size > 1:
