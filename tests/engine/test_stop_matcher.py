@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm.engine.output_processor import OutputProcessor, find_stop_string
 from vllm.engine.sched_output import EngineCoreOutput
-from vllm.engine.stop_matcher import StopStringMatcher, find_stop_string_brute_force
+from vllm.engine.stop_matcher import (
+    FEW_STOP_STRINGS,
+    StopStringMatcher,
+    find_stop_string_brute_force,
+)
 from vllm.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_STRINGS_TOTAL_LENGTH,
@@ -26,17 +31,24 @@ chunks = st.lists(st.tuples(st.text(ALPHABET, max_size=5), st.booleans()), max_s
 @given(stops=stop_strings, chunks=chunks)
 def test_cursor_matches_brute_force_step_by_step(stops, chunks):
     """Text arrives in chunks; some steps skip the check (as before min_tokens) and the next
-    check must still report only stops that end in its own new characters."""
-    cursor = StopStringMatcher(stops).cursor()
+    check must still report only stops that end in its own new characters. Both search
+    modes (the automaton, and str.find for a few stop strings) give the reference's answer."""
+    cursors = [StopStringMatcher(stops, automaton=True).cursor(),
+               StopStringMatcher(stops, automaton=False).cursor()]
     text = ""
     for new, check in chunks:
         text += new
         if not check:
             continue
-        found = cursor.find(text, len(new))
-        assert found == find_stop_string_brute_force(text, len(new), stops), (text, new)
-        if found is not None:
+        expected = find_stop_string_brute_force(text, len(new), stops)
+        assert [c.find(text, len(new)) for c in cursors] == [expected] * 2, (text, new)
+        if expected is not None:
             break
+
+
+def test_search_mode_follows_the_number_of_stop_strings():
+    assert not StopStringMatcher(["x"] * FEW_STOP_STRINGS).automaton
+    assert StopStringMatcher(["x"] * (FEW_STOP_STRINGS + 1)).automaton
 
 
 @settings(max_examples=300, deadline=None)
@@ -53,14 +65,17 @@ def test_find_stop_string_matches_brute_force(stops, text, new, include):
         assert got == (stop, index + len(stop) if include else index)
 
 
-def test_earliest_start_then_list_order():
-    assert find_stop_string_brute_force("xabc", 3, ["ab", "abc"]) == (1, "ab")
-    assert StopStringMatcher(["abc", "ab"]).cursor().find("xabc", 3) == (1, "abc")
-    assert StopStringMatcher(["ab", "abc"]).cursor().find("xabc", 3) == (1, "ab")
+@pytest.mark.parametrize("automaton", [True, False])
+def test_earliest_start_then_list_order(automaton):
+    def matcher(stops):
+        return StopStringMatcher(stops, automaton=automaton)
+
+    assert matcher(["abc", "ab"]).cursor().find("xabc", 3) == (1, "abc")
+    assert matcher(["ab", "abc"]).cursor().find("xabc", 3) == (1, "ab")
     # A later end can start earlier: "bcd" ends first but "abcde" starts first.
-    assert StopStringMatcher(["bcd", "abcde"]).cursor().find("abcde", 5) == (0, "abcde")
+    assert matcher(["bcd", "abcde"]).cursor().find("abcde", 5) == (0, "abcde")
     # An occurrence that ended before the new characters hides nothing that ends in them.
-    cursor = StopStringMatcher(["abc", "bcd"]).cursor()
+    cursor = matcher(["abc", "bcd"]).cursor()
     assert cursor.find("abc", 0) is None  # read without reporting (a skipped check)
     assert cursor.find("abcd", 1) == (1, "bcd")
 
@@ -79,9 +94,10 @@ def _random_stops(count: int, rng: random.Random) -> list[str]:
 
 
 def test_work_per_character_does_not_grow_with_the_number_of_stop_strings():
-    """Characters read plus failure links followed: at most 2 per character for the maximum
-    number of stop strings, the same as for one (the old search examined ~64 characters per
-    stop string per step, 65536 per step here)."""
+    """Characters fed to the automaton plus occurrences it reported: at most 2 per character
+    for the maximum number of stop strings, no more than a single stop string's str.find
+    windows (the old search examined ~67 characters per stop string per step, ~68000 per
+    step here). The automaton's own steps (in C) are amortised O(1) per character."""
     rng = random.Random(0)
     text = "a" * 3000 + "".join(rng.choice("ab ") for _ in range(3000))
     for make in (_adversarial_stops, lambda n: _random_stops(n, rng)):
@@ -96,7 +112,8 @@ def test_work_per_character_does_not_grow_with_the_number_of_stop_strings():
                 chars = end
             assert chars > 1000
             work[count] = cursor.work / chars
-            assert cursor.work <= 2 * chars + 4, (count, cursor.work, chars)
+            if count == MAX_STOP_STRINGS:
+                assert cursor.work <= 2 * chars + 4, (cursor.work, chars)
         assert work[MAX_STOP_STRINGS] <= 2 * work[1], work
 
 

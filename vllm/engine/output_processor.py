@@ -57,10 +57,8 @@ def find_stop_string(text: str, num_new_chars: int, stops: list[str],
     """The earliest stop string completed by the last `num_new_chars` characters (at equal
     starts, the one listed first), and the length to truncate the text to (before it, or
     after it when `include`). One-off form of what a sequence's StopStringCursor does step by
-    step: it reads only the window the longest stop string can reach back into."""
-    matcher = StopStringMatcher(stops)
-    window = max(len(text) - num_new_chars - matcher.max_len + 1, 0)
-    found = matcher.cursor(window).find(text, num_new_chars)
+    step."""
+    found = StopStringMatcher(stops).cursor().find(text, num_new_chars)
     if found is None:
         return None
     index, stop = found
