@@ -294,11 +294,11 @@ class _WorkerWatch:
             if item in sentinels:
                 rank, proc = sentinels[item]
                 proc.join(timeout=1)  # (reaps it: exitcode)
-                self.report(_death(rank, proc, "while the engine was idle or running"))
+                self.report(_death(rank, proc))
                 return
 
 
-def _death(rank: int, proc: Any, when: str) -> EngineFatalError:
+def _death(rank: int, proc: Any, when: str = "") -> EngineFatalError:
     code = proc.exitcode
     if code is None:
         how = "its pipe closed"
@@ -309,7 +309,8 @@ def _death(rank: int, proc: Any, when: str) -> EngineFatalError:
             how = f"killed by signal {-code}"
     else:
         how = f"exit code {code}"
-    return EngineFatalError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died {when} "
+    when = f" {when}" if when else ""
+    return EngineFatalError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died{when} "
                             f"({how})")
 
 

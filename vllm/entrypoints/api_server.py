@@ -6,7 +6,8 @@ POST /generate with JSON {"prompt": "...", "stream": false, <SamplingParams fiel
 {"text": [prompt + completion, ...]} (one entry per `n`); with "stream": true it sends the
 same object after every step, each followed by a null byte ("\\0"). GET /health answers 200.
 Errors are {"error": {"message", "type", "param", "code"}} with status 400 (a bad field: `param`
-names it; `n` is at most 128 as on the OpenAI server) or 500 (the engine failed the request).
+names it; `n` is at most 128 as on the OpenAI server) or 500 (the engine failed the request;
+in a stream: its last object).
 SIGTERM drains as `vllm serve` does (--shutdown-timeout). If the engine dies the server stops
 and exits 1, so that a supervisor restarts it.
 """
@@ -160,9 +161,9 @@ def check_sampling_fields(kwargs: dict[str, Any]) -> None:
             raise OpenAIError(f"unknown field {name!r}: /generate takes prompt, stream and the "
                               f"SamplingParams fields ({', '.join(sorted(known))})", param=name)
     for name in _INT_FIELDS:
-        value = kwargs.get(name)
-        if value is None and name != "n":
+        if name not in kwargs or (kwargs[name] is None and name != "n"):
             continue
+        value = kwargs[name]
         if not isinstance(value, int) or isinstance(value, bool):
             raise OpenAIError(f"{name} must be an integer, got {value!r}", param=name)
         if not _INT64[0] <= value <= _INT64[1]:
