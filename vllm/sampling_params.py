@@ -8,6 +8,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.engine.bad_words import BadWordsIndex, encode_all
 from vllm.engine.stop_matcher import StopStringMatcher
 
 # Temperatures below this are treated as greedy (argmax).
@@ -103,40 +104,6 @@ def _as_float(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-class _BadWordsNode:
-    """A node of the bad-words index: a trie over the words' token prefixes, read backwards
-    from the last output token. `banned` holds the last tokens of the words whose prefix is
-    the path from the root (the root: one-token words, banned everywhere)."""
-
-    __slots__ = ("banned", "children")
-
-    def __init__(self) -> None:
-        self.banned: set[int] = set()
-        self.children: dict[int, _BadWordsNode] = {}
-
-
-def _index_bad_words(sequences: list[list[int]]) -> _BadWordsNode:
-    root = _BadWordsNode()
-    for seq in sequences:
-        node = root
-        for token in reversed(seq[:-1]):
-            node = node.children.setdefault(token, _BadWordsNode())
-        node.banned.add(seq[-1])
-    return root
-
-
-def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text without special tokens: one batch call where the tokenizer
-    takes a batch (transformers' tokenizers), else one encode() per text."""
-    if not texts:
-        return []
-    if callable(tokenizer):
-        encoded = tokenizer(texts, add_special_tokens=False)
-        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
-        return [list(x) for x in ids]
-    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
-
-
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len; None: all).
     Raises ValueError naming it when it is not -1 or in [1, max_model_len]."""
@@ -201,7 +168,7 @@ class SamplingParams:
     # Derived, read-only once built, and shared by clones (the n sequences of a request).
     _stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False,
                                                     compare=False)
-    _bad_words_index: _BadWordsNode | None = field(default=None, init=False, repr=False,
+    _bad_words_index: BadWordsIndex | None = field(default=None, init=False, repr=False,
                                                    compare=False)
 
     def __post_init__(self) -> None:
@@ -214,7 +181,7 @@ class SamplingParams:
                                       "a non-empty string or a list of non-empty strings")
         self.stop_token_ids = self._as_list("stop_token_ids", self.stop_token_ids or [],
                                             "a list of token ids")
-        if isinstance(self.logit_bias, dict):
+        if isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES:
             # JSON object keys arrive as strings ("50256": -100).
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
@@ -302,12 +269,12 @@ class SamplingParams:
                       "FINAL_ONLY 2)") from None
 
     def _verify_stops(self) -> None:
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
-                             f"got {_show(self.stop)}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} "
                              "are allowed")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
+                             f"got {_show(self.stop)}")
         longest = max(self.stop, key=len, default="")
         if len(longest) > MAX_STOP_STRING_LENGTH:
             raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_LENGTH} "
@@ -355,13 +322,13 @@ class SamplingParams:
         words = self.bad_words
         if words is None:
             return
+        if isinstance(words, list) and len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are "
+                             "allowed")
         if (not isinstance(words, list)
                 or any(not isinstance(w, str) or not w.strip() for w in words)):
             raise ValueError(f"bad_words must be a list of non-empty strings or None, got "
                              f"{_show(words)}")
-        if len(words) > MAX_BAD_WORDS:
-            raise ValueError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are "
-                             "allowed")
         longest = max(words, key=len, default="")
         if len(longest) > MAX_BAD_WORD_LENGTH:
             raise ValueError(f"bad_words must be at most {MAX_BAD_WORD_LENGTH} characters "
@@ -412,34 +379,29 @@ class SamplingParams:
         texts = [text for word in self.bad_words or [] for text in (word, " " + word.lstrip())]
         sequences: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        for ids in _encode_all(tokenizer, texts):
+        for ids in encode_all(tokenizer, texts):
             if ids and tuple(ids) not in seen:
                 seen.add(tuple(ids))
                 sequences.append(ids)
         self._bad_words_token_ids = sequences
-        self._bad_words_index = _index_bad_words(sequences) if sequences else None
+        self._bad_words_index = BadWordsIndex.build(sequences) if sequences else None
 
     def banned_by_bad_words(self, token_ids: list[int], start: int = 0) -> set[int]:
         """The tokens bad_words forbid next, after the output `token_ids[start:]` (a word's
         prefix must lie within it: pass the whole sequence and the prompt length to save a
         copy). Walks the index backwards from the last token, so the cost is the length of
         the longest matching word prefix, whatever the number of words."""
-        node = self._bad_words_index
-        if node is None:
+        index = self._bad_words_index
+        if index is None:
             if not self._bad_words_token_ids:
                 return set()
-            node = self._bad_words_index = _index_bad_words(self._bad_words_token_ids)
-        banned = set(node.banned)
-        for i in range(len(token_ids) - 1, start - 1, -1):
-            node = node.children.get(token_ids[i])
-            if node is None:
-                break
-            banned |= node.banned
-        return banned
+            index = self._bad_words_index = BadWordsIndex.build(self._bad_words_token_ids)
+        return index.banned_after(token_ids, start)
 
     def stop_matcher(self) -> StopStringMatcher | None:
-        """The Aho-Corasick automaton over `stop` (None without stop strings): built at first
-        use, rebuilt if `stop` was changed since, and shared by clones."""
+        """The matcher of `stop` (an Aho-Corasick automaton when there are more than a few;
+        None without stop strings): built at first use, rebuilt if `stop` was changed since,
+        and shared by clones."""
         if not self.stop:
             return None
         matcher = self._stop_matcher
