@@ -40,6 +40,9 @@ _GETTERS = {
     # Attention backend by name (default: the platform's choice).
     "VLLM_ATTENTION_BACKEND": lambda: os.environ.get("VLLM_ATTENTION_BACKEND") or None,
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
+    # Seconds the server's tokenizer thread may spend on one request's tokenizing and chat
+    # template rendering before it is interrupted and the request refused.
+    "VLLM_TOKENIZE_TIMEOUT_S": lambda: float(os.environ.get("VLLM_TOKENIZE_TIMEOUT_S") or 10.0),
     "VLLM_LOGGING_LEVEL": lambda: os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
     "TORCH_COMPILE_DISABLE": lambda: _flag("TORCH_COMPILE_DISABLE"),
     # Tests: a Dynamo recompile of a compiled model (a guard of its first trace failed) is an

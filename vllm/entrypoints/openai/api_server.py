@@ -45,6 +45,7 @@ from vllm.entrypoints.openai.request_guard import RequestGuard, RootPathMiddlewa
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import ClientDisconnected, OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from vllm.logger import init_logger
 from vllm.version import __version__
 
@@ -74,10 +75,13 @@ class ServerState:
         # The engine thread detokenizes with engine.tokenizer while requests are tokenized
         # here; a Rust-backed tokenizer must not be used from two threads at once.
         tokenizer = _own_copy(engine.tokenizer)
+        # ... and only this one thread uses the copy (off the event loop, time-limited).
+        self.tokenizer_worker = TokenizerWorker()
         self.completion = OpenAIServingCompletion(engine, self.served_model_names,
-                                                  self.max_model_len, tokenizer, options)
+                                                  self.max_model_len, tokenizer, options,
+                                                  self.tokenizer_worker)
         self.chat = OpenAIServingChat(engine, self.served_model_names, self.max_model_len,
-                                      tokenizer, options)
+                                      tokenizer, options, self.tokenizer_worker)
         self.tokenization = OpenAIServingTokenization(self.chat)
 
 
@@ -206,12 +210,12 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> JSONResponse:
         request = await read_request(raw, TokenizeRequest)
-        return JSONResponse(state.tokenization.tokenize(request))
+        return JSONResponse(await state.tokenization.tokenize(request))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> JSONResponse:
         request = await read_request(raw, DetokenizeRequest)
-        return JSONResponse(state.tokenization.detokenize(request))
+        return JSONResponse(await state.tokenization.detokenize(request))
 
     return app
 

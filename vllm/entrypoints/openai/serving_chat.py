@@ -70,9 +70,30 @@ class OpenAIServingChat(OpenAIServing):
                               "with --chat-template, or use /v1/completions", 400, "messages")
         return None
 
+    def check_messages_length(self, request: Any) -> None:
+        """400 before any rendering when the messages' text alone is too long for
+        max_model_len (see `check_text_length`)."""
+        total = 0
+        for message in request.messages or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text") or "") for p in content
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))
+        self.check_text_length(total, "messages", getattr(request, "truncate_prompt_tokens",
+                                                          None))
+
+    async def render_off_loop(self, request: Any) -> list[int]:
+        """`render` in the tokenizer thread, after the length check (what the routes call)."""
+        self.check_messages_length(request)
+        return await self.off_loop(lambda: self.render(request),
+                                   "rendering the chat template and tokenizing")
+
     def render(self, request: ChatCompletionRequest) -> list[int]:
         """The prompt token ids for the conversation; 400 naming `messages` if the chat
-        template refuses it or the model has none."""
+        template refuses it, renders more text than max_model_len tokens can hold, or the
+        model has none."""
         messages = normalize_messages(request.messages)
         if request.continue_final_message and request.add_generation_prompt:
             raise OpenAIError("continue_final_message and add_generation_prompt cannot both "
@@ -89,8 +110,13 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - template errors are the client's input
             raise OpenAIError(f"messages could not be rendered with the chat template: {exc}",
                               400, "messages") from None
+        if not isinstance(text, str):
+            raise OpenAIError("the chat template did not render text", 400, "messages")
+        keep = getattr(request, "truncate_prompt_tokens", None)
+        self.check_text_length(len(text), "messages", keep,
+                               what="conversation rendered by the chat template")
         # The template already holds the special tokens (BOS, role markers).
-        return self.tokenize(text, add_special_tokens=False)
+        return self.tokenize(self.tail_for_truncation(text, keep), add_special_tokens=False)
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Any = None) -> dict | AsyncIterator[str]:
@@ -108,7 +134,8 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("prompt_logprobs are not available with stream=true (as "
                               "upstream)", 400, "prompt_logprobs")
         check_tool_choice(request)
-        prompt = self.truncate(self.render(request), request.truncate_prompt_tokens)
+        prompt = self.truncate(await self.render_off_loop(request),
+                               request.truncate_prompt_tokens)
         if not prompt:
             raise OpenAIError("messages rendered to an empty prompt", 400, "messages")
         budget_param = "max_completion_tokens" if request.max_completion_tokens is not None \
@@ -123,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         base_id = random_id("chatcmpl")
         created = int(time.time())
         role, echo = reply_role_and_echo(request, self.options.response_role)
-        streams = await self.start(base_id, [prompt], params)
+        streams = await self.start(base_id, [prompt], params, raw_request)
         if request.stream:
             return ClosingStream(
                 self._stream(request, streams, prompt, base_id, created, model, role, echo),

@@ -17,6 +17,7 @@ from typing import Any
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from vllm.entrypoints.openai.frontend_options import FrontendOptions
 from vllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, error_body
+from vllm.entrypoints.openai.tokenizer_worker import JobTimeout, TokenizerWorker
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.utils import random_uuid
@@ -25,6 +26,9 @@ logger = init_logger(__name__)
 
 MAX_N = 128
 _DISCONNECT_POLL_S = 0.25
+_ADDS_PER_DISCONNECT_CHECK = 32
+# Characters per token allowed for in the length bound (normalizers can merge characters).
+_CHARS_PER_TOKEN_SLACK = 4
 _DONE = object()
 
 
@@ -75,12 +79,19 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
                  max_model_len: int, tokenizer: Any,
-                 options: FrontendOptions | None = None) -> None:
+                 options: FrontendOptions | None = None,
+                 tokenizer_worker: TokenizerWorker | None = None) -> None:
+        """`tokenizer_worker`: the thread that uses `tokenizer` (share one between handlers
+        that share the tokenizer); None starts one."""
         self.options = options or FrontendOptions()
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        self.tokenizer_worker = tokenizer_worker or TokenizerWorker()
+        self.max_prompt_chars = max_model_len * _longest_token_chars(tokenizer) * \
+            _CHARS_PER_TOKEN_SLACK
+        """No text longer than this fits max_model_len tokens: refused before tokenizing."""
         self.vocab_size = _vocab_size(tokenizer, engine)
         self.max_logprobs = _max_logprobs(engine)
         self.default_sampling = _generation_defaults(engine)
@@ -97,6 +108,38 @@ class OpenAIServing:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def off_loop(self, fn: Any, what: str) -> Any:
+        """fn() in the tokenizer thread, under VLLM_TOKENIZE_TIMEOUT_S; a 400 naming `what`
+        when it runs longer."""
+        from vllm import envs
+
+        limit = envs.VLLM_TOKENIZE_TIMEOUT_S
+        try:
+            return await self.tokenizer_worker.run(fn, limit)
+        except JobTimeout:
+            raise OpenAIError(f"{what} took more than {limit:g} s (VLLM_TOKENIZE_TIMEOUT_S) "
+                              f"and was stopped", 400) from None
+
+    def check_text_length(self, text_len: int, param: str, keep: int | None = None,
+                          what: str | None = None) -> None:
+        """400 naming `param` for a text (`what`, default the param) too long to fit
+        max_model_len tokens, decided from its length alone: no tokenizing a prompt that
+        cannot be served. With truncate_prompt_tokens (`keep`) any length may be cut down."""
+        if keep is None and text_len > self.max_prompt_chars:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the "
+                f"{what or param} has {text_len} characters, more than that many tokens can "
+                f"hold ({self.max_prompt_chars}). Please shorten the {param}.", 400, param)
+
+    def tail_for_truncation(self, text: str, keep: int | None) -> str:
+        """With truncate_prompt_tokens, only the text's end can survive: tokenize no more
+        of it than `keep` tokens (-1: max_model_len) can span, with room to spare."""
+        if keep is None:
+            return text
+        tokens = self.max_model_len if keep == -1 else max(keep, 1)
+        span = (tokens + 8) * self.max_prompt_chars // max(self.max_model_len, 1)
+        return text[-span:] if len(text) > span else text
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -151,11 +194,17 @@ class OpenAIServing:
 
     # ---- running requests ----------------------------------------------------------------
     async def start(self, base_id: str, prompts: list[list[int]],
-                    params: Any) -> list[RequestStream]:
-        """Add one engine request per prompt; if one is refused, abort those already added."""
+                    params: Any, raw_request: Any = None) -> list[RequestStream]:
+        """Add one engine request per prompt; if one is refused, or the client disconnects
+        meanwhile (ClientDisconnected), abort those already added."""
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
+                if (raw_request is not None and i and i % _ADDS_PER_DISCONNECT_CHECK == 0
+                        and await raw_request.is_disconnected()):
+                    logger.info("client disconnected while its %d prompts were added; "
+                                "aborting %s", len(prompts), base_id)
+                    raise ClientDisconnected()
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 if self.options.enable_log_requests:
                     self.log_request(rid, ids, params)
@@ -378,6 +427,16 @@ def _end_offset(logprobs: dict, start: int) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of the vocabulary spells (byte-level vocabularies: its
+    bytes), so that len(text) / this bounds the text's token count from below."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        return max(1, max((len(t) for t in vocab()), default=1)) if vocab else 64
+    except Exception:  # noqa: BLE001 - an odd tokenizer: a generous bound
+        return 64
+
+
 def _max_logprobs(engine: Any) -> int:
     """The engine's bound on logprobs per token (--max-logprobs, within the vocabulary);
     upstream's default 20 for an engine that does not say."""
@@ -412,22 +471,18 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(f"logprobs must be between 0 and {self.max_logprobs} (the "
                               f"server's --max-logprobs), got {request.logprobs}", 400,
                               "logprobs")
-        texts: list[str] = []
-        prompts: list[list[int]] = []
-        for item in request.prompts():
+        items = request.prompts()
+        limit = self.options.max_prompts_per_request
+        if len(items) > limit:
+            raise OpenAIError(f"prompt holds {len(items)} prompts, more than the server's "
+                              f"limit of {limit} per request (--max-prompts-per-request)", 400,
+                              "prompt")
+        keep = request.truncate_prompt_tokens
+        for item in items:
             if isinstance(item, str):
-                ids = self.tokenize(item)
-                texts.append(item)
-            else:
-                ids = list(item)
-                self.check_token_ids(ids, "prompt")
-                texts.append(self.tokenizer.decode(ids) if request.echo else "")
-            if not ids:
-                raise OpenAIError("prompt must not be empty", 400, "prompt")
-            cut = self.truncate(ids, request.truncate_prompt_tokens)
-            if len(cut) < len(ids) and request.echo:
-                texts[-1] = self.tokenizer.decode(cut)  # echo what the model saw
-            prompts.append(cut)
+                self.check_text_length(len(item), "prompt", keep)
+        texts, prompts = await self.off_loop(lambda: self._prompt_tokens(request, items),
+                                             "tokenizing the prompt")
         longest = max(len(p) for p in prompts)
         max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
         kwargs = request.sampling_kwargs(self.default_sampling)
@@ -440,13 +495,36 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(kwargs, max_tokens, request.logprobs)
         base_id = random_id("cmpl")
         created = int(time.time())
-        streams = await self.start(base_id, prompts, params)
+        streams = await self.start(base_id, prompts, params, raw_request)
         if request.stream:
             return ClosingStream(
                 self._stream(request, streams, prompts, texts, base_id, created, model),
                 streams, self)
         finals = await self.collect(streams, raw_request)
         return self._response(request, finals, prompts, texts, base_id, created, model)
+
+    def _prompt_tokens(self, request: CompletionRequest, items: list[str | list[int]]
+                       ) -> tuple[list[str], list[list[int]]]:
+        """(texts to echo, token ids) of each prompt, cut to truncate_prompt_tokens (runs
+        in the tokenizer thread)."""
+        texts: list[str] = []
+        prompts: list[list[int]] = []
+        keep = request.truncate_prompt_tokens
+        for item in items:
+            if isinstance(item, str):
+                ids = self.tokenize(self.tail_for_truncation(item, keep))
+                texts.append(item)
+            else:
+                ids = list(item)
+                self.check_token_ids(ids, "prompt")
+                texts.append(self.tokenizer.decode(ids) if request.echo else "")
+            if not ids:
+                raise OpenAIError("prompt must not be empty", 400, "prompt")
+            cut = self.truncate(ids, keep)
+            if len(cut) < len(ids) and request.echo:
+                texts[-1] = self.tokenizer.decode(cut)  # echo what the model saw
+            prompts.append(cut)
+        return texts, prompts
 
     def _response(self, request: CompletionRequest, finals: list[RequestOutput],
                   prompts: list[list[int]], texts: list[str], base_id: str, created: int,

@@ -12,12 +12,29 @@ class OpenAIServingTokenization:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
 
-    def tokenize(self, request: TokenizeRequest) -> dict:
+    async def tokenize(self, request: TokenizeRequest) -> dict:
         """{"count", "max_model_len", "tokens"} (+ "token_strs" when asked); 400 unless
-        exactly one of prompt and messages is given."""
+        exactly one of prompt and messages is given, or for a text longer than
+        max_model_len tokens can hold. Runs in the tokenizer thread."""
         self.chat.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("give either prompt or messages", 400, "prompt")
+        if request.messages is not None:
+            self.chat.check_messages_length(request)
+        else:
+            self.chat.check_text_length(len(request.prompt), "prompt")
+        return await self.chat.off_loop(lambda: self._tokenize(request), "tokenizing")
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        """{"prompt": text}; 400 naming `tokens` for an id outside the vocabulary or more
+        tokens than max_model_len. Runs in the tokenizer thread."""
+        self.chat.check_model(request.model)
+        if len(request.tokens) > self.chat.max_model_len:
+            raise OpenAIError(f"tokens holds {len(request.tokens)} ids, more than "
+                              f"max_model_len ({self.chat.max_model_len})", 400, "tokens")
+        return await self.chat.off_loop(lambda: self._detokenize(request), "detokenizing")
+
+    def _tokenize(self, request: TokenizeRequest) -> dict:
         if request.messages is not None:
             ids = self.chat.render(request)  # the chat request's rendering, same fields
         else:
@@ -31,9 +48,7 @@ class OpenAIServingTokenization:
                                   else [self.chat.token_text(t) for t in ids])
         return body
 
-    def detokenize(self, request: DetokenizeRequest) -> dict:
-        """{"prompt": text}; 400 naming `tokens` for an id outside the vocabulary."""
-        self.chat.check_model(request.model)
+    def _detokenize(self, request: DetokenizeRequest) -> dict:
         if request.tokens:
             self.chat.check_token_ids(request.tokens, "tokens")
         return {"prompt": self.chat.tokenizer.decode(request.tokens)}
