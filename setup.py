@@ -36,7 +36,8 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "hypothesis", "openai", "ruff", "matplotlib"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "hypothesis-jsonschema", "openai", "ruff",
+                 "matplotlib"],
         "cuda": ["triton"],
     },
     entry_points={"console_scripts": ["vllm=vllm.entrypoints.cli.main:main"]},
