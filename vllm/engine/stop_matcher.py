@@ -58,13 +58,19 @@ class StopStringMatcher:
         goto = self._goto
         ends: dict[int, int] = {}  # state -> length of the stop string spelled to it
         for stop in self._rank:
-            node = 0
-            for char in stop:
+            node, shared = 0, 0
+            for char in stop:  # follow the part already in the trie
                 nxt = goto[node].get(char)
                 if nxt is None:
-                    nxt = goto[node][char] = len(goto)
-                    goto.append({})
-                node = nxt
+                    break
+                node, shared = nxt, shared + 1
+            rest = stop[shared:]
+            if rest:  # then add the rest as one chain of new states
+                first = len(goto)
+                goto[node][rest[0]] = first
+                goto.extend([{char: first + i} for i, char in enumerate(rest[1:], start=1)])
+                goto.append({})
+                node = len(goto) - 1
             ends[node] = len(stop)
         fail = [0] * len(goto)
         longest = [0] * len(goto)
