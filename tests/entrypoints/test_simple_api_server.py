@@ -58,7 +58,8 @@ def test_generate_stream(server):
     ({"prompt": "a", "temperature": -1}, "temperature"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "stream": "no"}, "stream"),
-    ({"prompt": "a", "bogus": 1}, None),
+    ({"prompt": "a", "bogus": 1}, "bogus"),
+    ({"prompt": "a", "n": 129}, "n"),
 ])
 def test_bad_requests(server, body, param):
     resp = generate(server, body)
