@@ -146,3 +146,14 @@ def test_tokenizer_worker_interrupts_a_runaway_job_and_goes_on():
     finally:
         worker.close()
     assert ran_on == ["test-tokenizer"]
+
+
+def test_a_non_finite_logit_bias_is_refused_not_clamped():
+    from vllm.entrypoints.openai.protocol import CompletionRequest
+
+    request = CompletionRequest(prompt="x", logit_bias={"5": float("nan")})
+    with pytest.raises(OpenAIError, match="logit_bias values must be finite") as info:
+        request.sampling_kwargs()
+    assert info.value.param == "logit_bias"
+    request = CompletionRequest(prompt="x", logit_bias={"5": 1e9})
+    assert request.sampling_kwargs()["logit_bias"] == {"5": 100.0}

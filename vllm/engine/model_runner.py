@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,9 +48,33 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
 
+    _logit_bias: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False)
+    _allowed_ids: torch.Tensor | None = field(default=None, repr=False)
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def logit_bias_tensors(self, vocab_size: int, device: torch.device
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, bias values) of logit_bias inside the vocabulary, built once per
+        request (a bias may name up to MAX_LOGIT_BIAS_ENTRIES tokens)."""
+        if self._logit_bias is None:
+            items = [(t, v) for t, v in self.sampling_params.logit_bias.items()
+                     if t < vocab_size]
+            self._logit_bias = (
+                torch.tensor([t for t, _ in items], dtype=torch.int64, device=device),
+                torch.tensor([v for _, v in items], dtype=torch.float32, device=device))
+        return self._logit_bias
+
+    def allowed_ids_tensor(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """allowed_token_ids inside the vocabulary, built once per request."""
+        if self._allowed_ids is None:
+            self._allowed_ids = torch.tensor(
+                [t for t in self.sampling_params.allowed_token_ids if t < vocab_size],
+                dtype=torch.int64, device=device)
+        return self._allowed_ids
 
 
 class ModelRunner:
@@ -404,18 +428,19 @@ class ModelRunner:
                     cols.append(token)
         if rows:
             md.banned_tokens = (tensor(rows, torch.int64), tensor(cols, torch.int64))
-        biased = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()
-                  if t < vocab_size]
+        biased = [(i, bias) for i, (s, p) in enumerate(zip(states, params)) if p.logit_bias
+                  for bias in [s.logit_bias_tensors(vocab_size, device)] if len(bias[0])]
         if biased:
-            rows, cols, values = zip(*biased)
-            md.logit_bias = (tensor(rows, torch.int64), tensor(cols, torch.int64),
-                             tensor(values, torch.float32))
+            md.logit_bias = (
+                torch.cat([torch.full((len(cols),), i, dtype=torch.int64, device=device)
+                           for i, (cols, _) in biased]),
+                torch.cat([cols for _, (cols, _) in biased]),
+                torch.cat([values for _, (_, values) in biased]))
         limited = [i for i, p in enumerate(params) if p.allowed_token_ids]
         if limited:
             allowed = torch.zeros(len(limited), vocab_size, dtype=torch.bool, device=device)
             for row, i in enumerate(limited):
-                ids = [t for t in params[i].allowed_token_ids if t < vocab_size]
-                allowed[row, tensor(ids, torch.int64)] = True
+                allowed[row, states[i].allowed_ids_tensor(vocab_size, device)] = True
             md.allowed_tokens = (tensor(limited, torch.int64), allowed)
         if any(p.needs_penalties for p in params):
             md.repetition_penalties = tensor([p.repetition_penalty for p in params],

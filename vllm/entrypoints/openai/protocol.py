@@ -237,6 +237,10 @@ class _SamplingFields(OpenAIBaseModel):
             if value is not None:
                 kwargs[name] = value
         if self.logit_bias:
+            bad = next((k for k, v in self.logit_bias.items() if not math.isfinite(v)), None)
+            if bad is not None:
+                raise OpenAIError(f"logit_bias values must be finite numbers, got "
+                                  f"{self.logit_bias[bad]} for token {bad}", 400, "logit_bias")
             # OpenAI's range; vLLM clamps rather than refuses.
             kwargs["logit_bias"] = {k: min(100.0, max(-100.0, v))
                                     for k, v in self.logit_bias.items()}
