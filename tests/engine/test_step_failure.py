@@ -39,6 +39,7 @@ class Faults:
 
     def __init__(self) -> None:
         self.after = 0
+        self.error: Exception = ValueError("Overflow when unpacking long long")
         self.batch = lambda states: False
         self.calls = 0
 
@@ -52,7 +53,7 @@ def faults(monkeypatch):
         faults.calls += 1
         for state in states:
             if POISON in state.sampling_params.stop and state.num_output_tokens >= faults.after:
-                raise ValueError("Overflow when unpacking long long")
+                raise faults.error
         if faults.batch(states):
             raise RuntimeError("injected batch failure")
         return original(runner, states, vocab_size)
@@ -165,7 +166,24 @@ def test_a_failure_of_the_batch_fails_its_requests_and_repeats_kill_the_engine(e
     # (leave the shared engine usable for the tests after this one)
     engine.abort_request(["e", "f"])
     engine.step_recovery.on_success()
+    assert sorted(engine.pop_request_errors()) == ["c0", "c1", "d0", "d1"]
     faults.batch = lambda states: False
+    assert_clean(engine)
+
+
+def test_out_of_memory_again_and_again_is_fatal(engine, faults):
+    """One request out of memory fails that request; three steps in a row out of memory mean
+    the engine cannot serve, even with a request to blame each time."""
+    faults.error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    for i in range(2):
+        engine.add_request(f"big{i}", PROMPTS[0], greedy(poison=True))
+        assert run_all(engine)[f"big{i}"].outputs[0].finish_reason == "error"
+        assert list(engine.pop_request_errors()) == [f"big{i}"]
+    engine.add_request("big2", PROMPTS[0], greedy(poison=True))
+    with pytest.raises(EngineFatalError, match="out of memory"):
+        run_all(engine)
+    engine.abort_request("big2")
+    engine.step_recovery.on_success()
     assert_clean(engine)
 
 

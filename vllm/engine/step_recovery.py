@@ -11,9 +11,10 @@ runner is part-way through its update. `StepRecovery.after_failed_execute` then:
 3. finds the culprits: with one request in the step, it is the culprit; with more, each
    scheduled sequence runs its part of the step again alone (same tokens, its own KV blocks,
    a copy of its RNG) and the requests whose run raises are the culprits. When none raises
-   alone (the batch as a whole failed, e.g. out of memory) every request of the step fails,
-   and `max_unattributed_failures` such steps in a row (no successful step between) mean the
-   engine is dead;
+   alone (the batch as a whole failed) every request of the step fails, and
+   `max_unattributed_failures` such steps in a row (no successful step between) mean the
+   engine is dead; failures out of memory count towards that limit even when a request is
+   to blame (memory that runs out again and again is the engine's problem);
 4. resynchronises the runner: it forgets every sequence of the step and relearns the
    survivors from the scheduler, so the next step retries them exactly as scheduled;
 5. finishes the culprits: out of the output processor and the scheduler (their blocks freed,
@@ -48,7 +49,8 @@ logger = init_logger(__name__)
 __all__ = ["StepRecovery"]
 
 MAX_UNATTRIBUTED_FAILURES = 3
-"""Failed steps in a row that no request could be blamed for before the engine is dead."""
+"""Failed steps in a row that no request could be blamed for (or that ran out of memory)
+before the engine is dead."""
 
 
 class StepRecovery:
@@ -92,7 +94,7 @@ class StepRecovery:
         if not attributed:
             culprits = dict.fromkeys(users.values(), exc)
         self._resync(so, internal, users, culprits, probe_id)
-        if not attributed:
+        if not attributed or _out_of_memory(exc):
             self._count_unattributed(exc)
         return self._fail(culprits)
 
@@ -133,7 +135,7 @@ class StepRecovery:
         if self.num_unattributed_in_a_row >= self.max_unattributed_failures:
             raise EngineFatalError(
                 f"{self.num_unattributed_in_a_row} engine steps in a row failed without a "
-                f"request to blame; the last with {cause!r}") from cause
+                f"request to blame or out of memory; the last with {cause!r}") from cause
 
     def _run_alone(self, so: SchedulerOutput, internal: list[str], users: dict[str, str]
                    ) -> tuple[dict[str, BaseException], str | None]:
@@ -221,6 +223,10 @@ class StepRecovery:
             logger.warning("Failed request(s) %s; the engine goes on serving the others",
                            ", ".join(culprits))
         return outputs
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError))
 
 
 def _unused_id(candidate: str, taken: Any) -> str:
