@@ -1,8 +1,8 @@
 """Fuzzing `vllm serve` over its request schemas: no request may get a 5xx or stop the engine.
 
 Bodies for /v1/completions, /v1/chat/completions, /tokenize and /detokenize are drawn from the
-request models' JSON schemas (`model_json_schema()`, through hypothesis-jsonschema, which also
-adds unknown fields): as pydantic writes them, and tightened to what a real client sends (so
+request models' JSON schemas (`model_json_schema()`, through hypothesis-jsonschema, with
+unknown fields added): as pydantic writes them, and tightened to what a real client sends (so
 that many requests reach the engine). Most bodies are then made hostile: a value at any depth
 replaced by a huge or negative number, 1e308, an Infinity/NaN literal, a lone surrogate, a
 wrong type, deep nesting, an over-long integer literal, an empty or huge array; unknown fields
@@ -230,10 +230,40 @@ def schemas(route: str) -> list[dict]:
     return [*variants, raw]
 
 
+def schema_strategy(schema: dict, defs: dict | None = None,
+                    top: bool = True) -> st.SearchStrategy:
+    """Values of a JSON schema. Objects with properties, arrays and anyOf are composed here
+    from their parts; every other (sub)schema goes to hypothesis-jsonschema's `from_schema`
+    (which, given an object, builds its property strategies again at every draw: several
+    times slower for these 40-field models). The top object also gets up to two unknown
+    properties, as a client may send."""
+    defs = schema.get("$defs", defs or {})
+    if "$ref" in schema:
+        return schema_strategy(defs[schema["$ref"].rsplit("/", 1)[-1]], defs, False)
+    if "anyOf" in schema:
+        return st.one_of([schema_strategy(sub, defs, False) for sub in schema["anyOf"]])
+    if schema.get("type") == "array" and "items" in schema:
+        return st.lists(schema_strategy(schema["items"], defs, False),
+                        min_size=schema.get("minItems", 0), max_size=schema.get("maxItems", 4))
+    if schema.get("type") != "object" or "properties" not in schema:
+        return from_schema(schema)
+    properties = {name: schema_strategy(sub, defs, False)
+                  for name, sub in schema["properties"].items()}
+    required = set(schema.get("required", []))
+    known = st.fixed_dictionaries(
+        {k: v for k, v in properties.items() if k in required},
+        optional={k: v for k, v in properties.items() if k not in required})
+    if not top:
+        return known
+    unknown = st.dictionaries(st.text(max_size=8).filter(lambda k: k not in properties),
+                              JSON_VALUES, max_size=2)
+    return st.tuples(unknown, known).map(lambda parts: {**parts[0], **parts[1]})
+
+
 @functools.lru_cache(maxsize=None)
 def route_bodies(route: str) -> st.SearchStrategy[dict]:
     """Bodies for `route`: three in four from the tightened schema(s), one from the raw one."""
-    *tight, raw = (from_schema(schema) for schema in schemas(route))
+    *tight, raw = (schema_strategy(schema) for schema in schemas(route))
     return st.integers(0, 3).flatmap(lambda i: raw if i == 3 else tight[i % len(tight)])
 
 
@@ -268,8 +298,8 @@ EXTREME_NUMBERS = st.one_of(st.sampled_from([
 @st.composite
 def _poisoned_string(draw: Any, text: str) -> Any:
     at = draw(st.integers(0, len(text)))
-    poison = draw(st.sampled_from(["\ud800", "\udfff", "\x00", "\ufeff", "</s>", "<s>",
-                                   "{{ messages }}", "\\", "\ud800" * 1000, "a" * 60000]))
+    poison = draw(st.sampled_from(["\ud800", "\udfff", "\udbff\udbff", "\x00", "\ufeff", "</s>",
+                                   "<s>", "{{ messages }}", "\\", "\ud800" * 1000, "a" * 60000]))
     return text[:at] + poison + text[at:]
 
 
@@ -281,19 +311,24 @@ def _huge_list(draw: Any, items: list) -> Any:
 
 @st.composite
 def _mutated(draw: Any, body: dict, fields: list[str]) -> Any:
-    """`body` with one to three hostile changes: a number, string or list inside a field of
-    the request (`fields`) made extreme; a value inside one (prompt, messages[0].content,
-    tools[0].function) replaced by a hostile one, dropped or wrapped in a list or object; a
-    field set to a hostile value; an unknown field added."""
+    """`body` with one to three hostile changes: a number, string (often the prompt's or a
+    message's text) or list inside a field of the request (`fields`) made extreme; a value
+    inside one (prompt, messages[0].content, tools[0].function) replaced by a hostile one,
+    dropped or wrapped in a list or object; a field set to a hostile value; an unknown field
+    added."""
     body = copy.deepcopy(body)
     for _ in range(draw(st.integers(1, 3))):
-        op = draw(st.sampled_from(["number", "string", "list", "field", "replace", "drop",
-                                   "wrap", "unknown"]))
+        op = draw(st.sampled_from(["number", "number", "string", "text", "text", "list",
+                                   "field", "field", "replace", "replace", "drop", "wrap",
+                                   "unknown"]))
         paths = _paths({k: v for k, v in body.items() if k in fields})
-        kind = {"number": (int, float), "string": str, "list": list}.get(op)
+        kind = {"number": (int, float), "string": str, "text": str, "list": list}.get(op)
         if kind is not None:
             paths = [p for p in paths if isinstance(_parent(body, p)[p[-1]], kind)
                      and not isinstance(_parent(body, p)[p[-1]], bool)]
+        if op == "text":  # the text the tokenizer reads: the prompt, the messages' contents
+            paths = [p for p in paths if p[0] in ("prompt", "messages")] or paths
+            op = "string"
         if op in ("field", "unknown") or not paths:
             key = draw(st.sampled_from(fields) if op != "unknown" else st.text(max_size=8))
             body[key] = copy.deepcopy(draw(HOSTILE))  # (the constants stay unchanged)
@@ -554,10 +589,10 @@ def live_server(tmp_path_factory):
     server.proc.stop()
 
 
-# Requests per route, about 200 in all: well under a minute after start-up on a loaded
-# two-core machine (most are refused in milliseconds; an accepted one runs <= 5 steps).
-ROUTE_EXAMPLES = [("/v1/completions", 80), ("/v1/chat/completions", 70), ("/tokenize", 45),
-                  ("/detokenize", 35)]
+# Requests per route, 300 in all (a few repeats are not sent): about 20 s after start-up on a
+# loaded two-core machine (most are refused in milliseconds; an accepted one runs <= 5 steps).
+ROUTE_EXAMPLES = [("/v1/completions", 110), ("/v1/chat/completions", 100), ("/tokenize", 50),
+                  ("/detokenize", 40)]
 _USER = [{"role": "user", "content": "hi"}]
 # The malformed inputs issue 18 lists, sent after the generated ones (one of them stopped the
 # engine for good, which would end the run early).
