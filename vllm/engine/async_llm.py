@@ -280,8 +280,19 @@ class AsyncLLM:
         requests still hold blocks."""
         self.check_health()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Call(lambda engine: engine.reset_prefix_cache(), done))
+        self._submit(_Call(lambda engine: engine.reset_prefix_cache(), done))
         return await asyncio.wrap_future(done)
+
+    def _submit(self, command: _Add | _Call) -> None:
+        """Queue a command for the engine thread. The thread may have died (and drained the
+        queue) since the caller checked: the dead flag is set before that drain, so checking
+        it after queueing fails the command either here or in the drain, never neither."""
+        self._commands.put(command)
+        if self._dead is not None:
+            _set_exception(command.done, EngineDeadError(f"engine loop stopped: "
+                                                         f"{self._dead!r}"))
+        elif self._stopped:
+            _set_exception(command.done, EngineDeadError("engine shut down"))
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine thread is gone."""
@@ -303,7 +314,7 @@ class AsyncLLM:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._streams[request_id] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, sampling_params, stream, done))
+        self._submit(_Add(request_id, prompt, sampling_params, stream, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -448,33 +459,35 @@ class AsyncLLM:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(command, (_Add, _Call)) and not command.done.done():
-                    command.done.set_exception(EngineDeadError(f"engine loop died: {dead!r}"))
+                if isinstance(command, (_Add, _Call)):
+                    _set_exception(command.done, EngineDeadError(f"engine loop died: {dead!r}"))
 
     def _pop_request_errors(self) -> dict[str, BaseException]:
         pop = getattr(self.engine, "pop_request_errors", None)
         return pop() if callable(pop) else {}
 
     def _handle_add(self, command: _Add) -> None:
-        if command.done.cancelled():
+        if command.done.done():  # cancelled, or refused by _submit (the engine died)
             return
         with self._lock:
             wanted = self._streams.get(command.request_id) is command.stream
         if not wanted:  # aborted before it reached the engine
-            command.done.set_result(None)
+            _set_result(command.done, None)
             return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.sampling_params)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            command.done.set_exception(exc)
+            _set_exception(command.done, exc)
             return
-        command.done.set_result(None)
+        _set_result(command.done, None)
 
     def _handle_call(self, command: _Call) -> None:
+        if command.done.done():
+            return
         try:
-            command.done.set_result(command.fn(self.engine))
+            _set_result(command.done, command.fn(self.engine))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            command.done.set_exception(exc)
+            _set_exception(command.done, exc)
 
     def _handle_abort(self, command: _Abort) -> None:
         aborted = []
@@ -571,8 +584,8 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Add) and not command.done.done():
-                command.done.set_exception(EngineDeadError(why))
+            if isinstance(command, (_Add, _Call)):
+                _set_exception(command.done, EngineDeadError(why))
         self._stats = self._read_stats()
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -594,6 +607,21 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - metrics must never kill the loop
             logger.debug("engine.stats() raised", exc_info=True)
             return dict(self._stats) if hasattr(self, "_stats") else {}
+
+
+def _set_exception(future: concurrent.futures.Future, exc: BaseException) -> None:
+    """Fail `future` unless it is already done (another thread may race to do the same)."""
+    try:
+        future.set_exception(exc)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _set_result(future: concurrent.futures.Future, result: Any) -> None:
+    try:
+        future.set_result(result)
+    except concurrent.futures.InvalidStateError:  # failed meanwhile by _submit
+        pass
 
 
 def _request_failed(request_id: str, error: BaseException) -> RequestFailedError:
