@@ -84,3 +84,29 @@ def test_tp_request_failure_then_idle_worker_death(monkeypatch):
         start = time.monotonic()
         llm.shutdown()
         assert time.monotonic() - start < 30  # the live rank 0 does not wait for the dead one
+
+
+def test_tp_worker_stuck_after_rank0_failed_is_fatal(monkeypatch):
+    """Rank 0 fails before its forward while rank 1 waits in the forward's collective: rank 1
+    never answers, so the ranks cannot be brought back in step and the engine is dead (after
+    WORKER_REPLY_TIMEOUT_S, shortened here), naming the rank."""
+    from vllm.engine import executor
+
+    monkeypatch.setattr(executor, "WORKER_REPLY_TIMEOUT_S", 3.0)
+    original = ModelRunner._update_states
+
+    def patched(runner, so):  # only rank 0 (this process) raises
+        if any(POISON in new.sampling_params.stop for new in so.scheduled_new_reqs):
+            raise ValueError("rank 0 only")
+        return original(runner, so)
+
+    monkeypatch.setattr(ModelRunner, "_update_states", patched)
+    llm = AsyncLLM.from_engine_args(tp_engine_args())
+    try:
+        with pytest.raises(EngineDeadError, match="rank 1 .* did not answer execute_model"):
+            asyncio.run(asyncio.wait_for(final(llm, "bad", greedy(poison=True)), 300))
+        assert llm.errored
+    finally:
+        start = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - start < 30

@@ -121,6 +121,11 @@ WORKER_REPLY_TIMEOUT_S = 30.0
 not is presumably stuck in a collective that rank 0 left, and the engine is dead."""
 
 
+_SERVING_METHODS = frozenset({"execute_model", "check_health"})
+"""Calls after which the engine may go on: a failure on rank 0 still waits for the other
+ranks' answers, so that the next call reads its own."""
+
+
 class MultiprocExecutor(UniProcExecutor):
     """Tensor parallelism: rank 0 runs in this process, ranks 1..N-1 in spawned processes.
 
@@ -191,6 +196,8 @@ class MultiprocExecutor(UniProcExecutor):
             results = [getattr(self.worker, method)(*args)]
             failed: Exception | None = None
         except Exception as exc:  # noqa: BLE001 - re-raised once the workers answered
+            if method not in _SERVING_METHODS:
+                raise  # (start-up: the engine is not built, shutdown() stops the workers)
             results, failed = [None], exc
         deadline = time.monotonic() + WORKER_REPLY_TIMEOUT_S if failed is not None else None
         errors = []
