@@ -41,20 +41,22 @@ from vllm.outputs import RequestOutput
 
 logger = init_logger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError", "RequestStream",
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineError", "RequestFailedError", "RequestStream",
            "StatObserver"]
 
 
-class EngineDeadError(RuntimeError):
+class EngineError(RuntimeError):
+    """A request's outputs cannot come: the base of the two reasons below (what the servers
+    answer with a 500 and an OpenAI-style body, or an error event in a stream)."""
+
+
+class EngineDeadError(EngineError):
     """The engine thread stopped (a step raised, or `shutdown()` was called)."""
 
 
-class RequestFailedError(EngineDeadError):
-    """This request failed inside the engine, which goes on serving the others.
-
-    A subclass of EngineDeadError only so that every layer that answers an engine failure
-    (a 500 with an OpenAI-style body, an error event in a stream) answers this one the same
-    way; whether the engine lives is `AsyncLLM.errored`."""
+class RequestFailedError(EngineError):
+    """This request failed inside the engine, which goes on serving the others (whether the
+    engine lives is `AsyncLLM.errored`)."""
 
 
 class StatObserver(Protocol):

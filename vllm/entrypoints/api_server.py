@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import Request
 
-from vllm.engine.async_llm import AsyncLLM, EngineDeadError
+from vllm.engine.async_llm import AsyncLLM, EngineError
 from vllm.entrypoints.openai.protocol import OpenAIError
 from vllm.logger import init_logger
 from vllm.utils import random_uuid
@@ -91,7 +91,7 @@ def build_app(engine: AsyncLLM) -> Any:
             rstream = await engine.add_request(request_id, prompt, params)
         except (ValueError, TypeError) as exc:
             raise OpenAIError(str(exc)) from None
-        except EngineDeadError as exc:
+        except EngineError as exc:
             raise OpenAIError(str(exc), 500) from None
 
         def texts(output: Any) -> dict:
@@ -102,7 +102,7 @@ def build_app(engine: AsyncLLM) -> Any:
                 try:
                     async for output in rstream:
                         yield (json.dumps(texts(output)) + "\0").encode("utf-8")
-                except EngineDeadError as exc:  # the status is sent: the error is the last item
+                except EngineError as exc:  # the status is sent: the error is the last item
                     yield (json.dumps(OpenAIError(str(exc), 500).body()) + "\0").encode()
                 finally:
                     if not rstream.finished:
@@ -126,7 +126,7 @@ def build_app(engine: AsyncLLM) -> Any:
                     final = waiter.result()
                 elif await raw.is_disconnected():
                     return Response(status_code=499)
-        except EngineDeadError as exc:
+        except EngineError as exc:
             raise OpenAIError(str(exc), 500) from None
         finally:
             if not waiter.done():

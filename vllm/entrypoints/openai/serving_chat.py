@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from vllm.engine.async_llm import EngineDeadError, RequestStream
+from vllm.engine.async_llm import EngineError, RequestStream
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     OpenAIError,
@@ -248,7 +248,7 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 yield sse({"id": base_id, "object": "chat.completion.chunk", "created": created,
                            "model": model, "choices": [], "usage": usage()})
-        except EngineDeadError as exc:
+        except EngineError as exc:
             yield sse(error_body(str(exc), 500))
         finally:
             self.abort_unfinished(streams)

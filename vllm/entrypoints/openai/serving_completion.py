@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from vllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from vllm.engine.async_llm import AsyncLLM, EngineError, RequestStream
 from vllm.entrypoints.openai.frontend_options import FrontendOptions
 from vllm.entrypoints.openai.protocol import CompletionRequest, OpenAIError, error_body
 from vllm.entrypoints.openai.tokenizer_worker import JobTimeout, TokenizerWorker
@@ -215,7 +215,7 @@ class OpenAIServing:
                 self.engine.abort_nowait([s.request_id for s in streams])
             if isinstance(exc, ValueError):
                 raise OpenAIError(str(exc), 400) from None
-            if isinstance(exc, EngineDeadError):
+            if isinstance(exc, EngineError):
                 raise OpenAIError(str(exc), 500) from None
             raise
         return streams
@@ -333,7 +333,7 @@ class OpenAIServing:
                     logger.info("client disconnected; aborting %s",
                                 ", ".join(s.request_id for s in streams))
                     raise ClientDisconnected()
-        except EngineDeadError as exc:
+        except EngineError as exc:
             raise OpenAIError(str(exc), 500) from None
         finally:
             if not task.done():
@@ -619,7 +619,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if include_usage:
                 yield sse({"id": base_id, "object": "text_completion", "created": created,
                            "model": model, "choices": [], "usage": usage()})
-        except EngineDeadError as exc:
+        except EngineError as exc:
             yield sse(error_body(str(exc), 500))
         finally:
             self.abort_unfinished(streams)
