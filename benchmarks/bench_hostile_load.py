@@ -147,14 +147,14 @@ def hostile_requests(model: str, body_limit: int) -> list[tuple[str, str, bytes]
     stops = [f"{rng.getrandbits(40):010x}q{i:04d}" for i in range(1024)]  # 16 chars each
     words = [f"w{rng.getrandbits(32):08x}{i:04d}"[:15] for i in range(1024)]
     big_text = ("def f(x): return x * 2; " * (near // 24 + 1))[:near]  # (nothing to escape)
-    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 90)  # ~900 tokens
+    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 40)  # ~800 tokens
     base = {"model": model, "max_tokens": 16, "ignore_eos": True}
     return [
         ("tokenize_near_limit", "/tokenize", dump({"model": model, "prompt": big_text})),
         ("completion_near_limit", "/v1/completions", dump({**base, "prompt": big_text})),
         ("chat_near_limit", "/v1/chat/completions",
          dump({**base, "messages": [{"role": "user", "content": big_text}]})),
-        ("over_limit", "/tokenize", b'{"prompt": "' + b"a" * (body_limit + 1024) + b'"}'),
+        ("over_limit", "/tokenize", b""),  # (sent by _over_limit: headers, then a trickle)
         ("n128_stop1024", "/v1/completions",
          dump({**base, "prompt": "import os", "n": 128, "temperature": 1.0, "stop": stops})),
         ("bad_words1024", "/v1/completions",
@@ -163,7 +163,7 @@ def hostile_requests(model: str, body_limit: int) -> list[tuple[str, str, bytes]
          dump({**base, "n": 128, "temperature": 1.0,
                "messages": [{"role": "user", "content": "hello"}]})),
         ("prompts1024", "/v1/completions",
-         dump({**base, "max_tokens": 8, "prompt": [f"x = {i}" for i in range(1024)]})),
+         dump({**base, "max_tokens": 2, "prompt": [f"x = {i}" for i in range(1024)]})),
         ("logprobs_long_prompt", "/v1/completions",
          dump({**base, "prompt": long_prompt, "prompt_logprobs": 20, "logprobs": 20})),
         ("stream_dropped", "/v1/completions",
@@ -180,10 +180,31 @@ def hostile_requests(model: str, body_limit: int) -> list[tuple[str, str, bytes]
     ]
 
 
-async def _send_hostile(client: Any, base: str, kind: str, path: str, body: bytes) -> str:
+async def _over_limit(base: str, path: str, length: int) -> str:
+    """Announce a body of `length` bytes and send 64 KiB of it: the server should answer 413
+    without waiting for the rest. (An HTTP client sending the whole body would see the early
+    answer only as a broken connection.)"""
+    host, port = base.rsplit("/", 1)[-1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                     f"\r\nContent-Length: {length}\r\n\r\n".encode() + b"a" * 65536)
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 10.0)
+        return line.split(b" ")[1].decode() if line.startswith(b"HTTP/") else "no answer"
+    except (OSError, asyncio.TimeoutError) as exc:
+        return f"error {type(exc).__name__}"
+    finally:
+        writer.close()
+
+
+async def _send_hostile(client: Any, base: str, kind: str, path: str, body: bytes,
+                        body_limit: int) -> str:
     """Send one hostile request; returns its outcome (the status, 'timeout', 'error')."""
     import httpx
 
+    if kind == "over_limit":
+        return await _over_limit(base, path, body_limit + 1)
     headers = {"content-type": "application/json"}
     try:
         if kind == "stream_dropped":
@@ -240,7 +261,7 @@ async def _slow_loris(host: str, port: int, headers_only: bool, hold_s: float
 
 
 async def _hostile_main(base: str, host: str, port: int, model: str, body_limit: int,
-                        duration: float, first: int) -> dict:
+                        duration: float, first: int, gap: float) -> dict:
     """Cycle through the hostile requests from index `first` until `duration` has passed
     (the request then under way is cancelled: it is recorded as such), with the slow-loris
     connections beside them. Returns the stats, the (kind, start, end) of every request and
@@ -274,7 +295,7 @@ async def _hostile_main(base: str, host: str, port: int, model: str, body_limit:
                 t0 = time.monotonic()
                 try:
                     outcome = await asyncio.wait_for(
-                        _send_hostile(client, base, kind, path, body),
+                        _send_hostile(client, base, kind, path, body, body_limit),
                         max(0.1, deadline - t0))
                 except asyncio.TimeoutError:
                     record(kind, "cancelled at the phase end", t0)
@@ -282,17 +303,19 @@ async def _hostile_main(base: str, host: str, port: int, model: str, body_limit:
                     return
                 record(kind, outcome, t0)
                 state["next"] += 1
+                # (a pause, so that most normal requests overlap one kind only)
+                await asyncio.sleep(min(gap, max(0.0, deadline - time.monotonic())))
 
     await asyncio.gather(cycle(), *(loris_slot(k) for k in range(SLOW_LORIS_MAX)))
     return {"stats": stats, "intervals": intervals, "next": state["next"]}
 
 
 def hostile_process(base: str, host: str, port: int, model: str, body_limit: int,
-                    duration: float, first: int, queue: Any) -> None:
+                    duration: float, first: int, gap: float, queue: Any) -> None:
     """The hostile client's process: runs for `duration` s, then puts its report on
     `queue`."""
     queue.put(asyncio.run(_hostile_main(base, host, port, model, body_limit, duration,
-                                        first)))
+                                        first, gap)))
 
 
 # ---- phases and the report -------------------------------------------------------------------
@@ -320,7 +343,7 @@ def run_phase(args: argparse.Namespace, base: str, port: int, model: str, specs:
         queue = ctx.Queue()
         proc = ctx.Process(target=hostile_process, daemon=True, args=(
             base, "127.0.0.1", port, model, int(args.max_request_body_mb * 2**20),
-            args.duration, hostile_from, queue))
+            args.duration, hostile_from, args.hostile_gap, queue))
         proc.start()
         time.sleep(1.0)  # (its start-up, so that the two run for about the same time)
 
@@ -435,8 +458,9 @@ def markdown(report: dict) -> str:
         f"{report['health_after']}; server exit code {report['exit_code']}.", "",
         "## The hostile client", "",
         "One request at a time, cycling through the kinds below (each with a "
-        f"{HOSTILE_TIMEOUT_S:g} s timeout), plus up to {SLOW_LORIS_MAX} slow-loris "
-        f"connections held at most {SLOW_LORIS_HOLD_S:g} s each.", "",
+        f"{HOSTILE_TIMEOUT_S:g} s timeout, {a['hostile_gap']:g} s apart, the one under way "
+        f"at a phase's end cancelled), plus up to {SLOW_LORIS_MAX} slow-loris connections "
+        f"held at most {SLOW_LORIS_HOLD_S:g} s each.", "",
         "The last columns: the normal requests that overlapped a request of that kind (a normal "
         "request may overlap several kinds), their E2E and TTFT p50, against "
         f"{alone['p50_e2el_ms']:.0f} / {alone['p50_ttft_ms']:.0f} ms alone.", "",
@@ -469,6 +493,9 @@ def main() -> int:
     parser.add_argument("--max-request-body-mb", type=float, default=32.0,
                         help="The server's body limit (passed on); the hostile bodies are "
                         "sized from it.")
+    parser.add_argument("--hostile-gap", type=float, default=0.5,
+                        help="Seconds the hostile client waits between its requests (so that "
+                        "the overlap columns can tell the kinds apart).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-threads", type=int, default=1,
                         help="OMP_NUM_THREADS for the server (0: torch's default, all cores). "
