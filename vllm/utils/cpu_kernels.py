@@ -23,6 +23,7 @@ import threading
 import time
 
 from vllm.logger import init_logger
+from vllm.utils.progress import waiting
 
 logger = init_logger(__name__)
 
@@ -106,16 +107,16 @@ def _build_and_load(name: str, source_path: str, source_text: str | None) -> boo
         from torch.utils.cpp_extension import load
 
         start = time.perf_counter()
-        load(name=ext_name, sources=[path], extra_cflags=CFLAGS,
-             extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
-             verbose=False)
+        # Tens of seconds on a busy machine (the first start on it): say so while it lasts.
+        with waiting(logger, f"Building the CPU kernel {name} (once per machine)",
+                     done=f"Built the CPU kernel {name} into {directory}"):
+            load(name=ext_name, sources=[path], extra_cflags=CFLAGS,
+                 extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
+                 verbose=False)
         elapsed = time.perf_counter() - start
         from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
 
         get_startup_timer().record(CPU_KERNEL_BUILD, elapsed, kernel=name)
-        if elapsed > 1.0:
-            logger.info("Built the CPU kernel %s in %.1f s (cached in %s)", name, elapsed,
-                        directory)
         return True
     except Exception as e:  # no compiler, missing headers, a compile error...
         first_line = str(e).splitlines()[0] if str(e) else ""
