@@ -34,6 +34,7 @@ from vllm.compilation.piecewise_backend import PiecewiseBackend
 from vllm.compilation.split import SplitItem, eager_runnable, op_names, split_graph  # noqa: F401
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
+from vllm.utils.progress import waiting
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -282,6 +283,18 @@ class VllmBackend:
                           backend=self.compiler.name, cache=f"shared with piece {first}")
         return runnable
 
+    def piece_label(self, piece_index: int, compile_range: Range) -> str:
+        """How the progress lines name one piece compile: "piece 3/25 (graph piece 4, tokens
+        [1, 2048]) with inductor": its place among the compiled pieces of the split, its index
+        (the start-up table's and the debug dump's), the token counts it serves."""
+        compiled = [item.index for item in self.pieces if not item.is_splitting]
+        place = (f"{compiled.index(piece_index) + 1}/{len(compiled)}"
+                 if piece_index in compiled else str(piece_index))
+        tokens = (f"{compile_range.start} tokens" if compile_range.is_single_size
+                  else f"tokens {compile_range}")
+        return (f"piece {place} (graph piece {piece_index}, {tokens}) with "
+                f"{self.compiler.name}")
+
     def piece_entry(self, piece_index: int, compile_range: Range) -> str:
         return f"piece_{piece_index}.{compile_range.tag}.bin"
 
@@ -289,24 +302,28 @@ class VllmBackend:
                          piece_index: int, compile_range: Range, key: str, name: str,
                          dump_dir: str | None) -> Callable:
         tag = compile_range.tag
+        what = self.piece_label(piece_index, compile_range)
         if self.cache is None or self.frozen:
             cache_dir = self.cache.inductor_cache_dir if self.cache is not None else None
             with _stage(f"{self.compiler.name} compile of piece {piece_index}", self.dumper,
                         piece_index), \
                     self.timer.phase("inductor compilation", piece=piece_index, range=tag,
                                      backend=self.compiler.name,
-                                     cache="frozen" if cache_dir else "off"):
+                                     cache="frozen" if cache_dir else "off"), \
+                    waiting(logger, f"Compiling {what}", done=f"Compiled {what}"):
                 extra = (cache_dir,) if cache_dir else ()  # compilers without a cache: 5 args
                 compiled = self.compiler.compile(gm, example_inputs, compile_range,
                                                  piece_index, dump_dir, *extra)
             self._record_output_code(piece_index, tag, dump_dir)
             return compiled
-        with self.cache.lock(), self.timer.phase(
+        with self.cache_lock(what), self.timer.phase(
                 "inductor compilation", piece=piece_index, range=tag, backend="inductor") as info:
             path = self.cache.lookup(name, key)
             if path is not None:
                 try:
-                    artifact, info["cache"] = self.load_cached_piece(name, key, path)
+                    with waiting(logger, f"Loading {what} from the compile cache",
+                                 announce=False, done=f"Loaded {what} from the compile cache"):
+                        artifact, info["cache"] = self.load_cached_piece(name, key, path)
                     self.cache.record(name, hit=True)
                     return artifact
                 except Exception as e:  # a damaged entry is recompiled, never trusted
@@ -316,7 +333,8 @@ class VllmBackend:
                     # reuse for the recompile.
                     self.cache.reset_inductor_cache(f"piece {piece_index} {problem}")
             info["cache"] = "miss"
-            with _stage(f"inductor compile of piece {piece_index}", self.dumper, piece_index):
+            with _stage(f"inductor compile of piece {piece_index}", self.dumper, piece_index), \
+                    waiting(logger, f"Compiling {what}", done=f"Compiled {what}"):
                 try:
                     artifact = self.compiler.compile(gm, example_inputs, compile_range,
                                                      piece_index, dump_dir,
@@ -339,6 +357,18 @@ class VllmBackend:
             else:
                 inductor_light.save_cached(self.cache, name, key, path)
             return artifact
+
+    @contextlib.contextmanager
+    def cache_lock(self, what: str) -> Iterator[None]:
+        """The compile cache's lock, for the compile or load of `what` (`piece_label`);
+        another process compiling the same piece holds it as long as that takes: the wait
+        logs progress."""
+        assert self.cache is not None
+        with contextlib.ExitStack() as stack:
+            with waiting(logger, f"Waiting for another process to compile {what} (the compile "
+                         f"cache {self.cache.directory} is locked)", announce=False):
+                stack.enter_context(self.cache.lock())
+            yield
 
     def load_cached_piece(self, name: str, key: str, path: str) -> tuple[Callable, str]:
         """Piece entry `name` (at `path`, checked) and how it loaded: without Inductor from its

@@ -58,6 +58,7 @@ from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
 from vllm.compilation.piecewise_backend import PiecewiseBackend
 from vllm.compilation.split import SplitItem
 from vllm.logger import init_logger
+from vllm.utils.progress import waiting
 
 if TYPE_CHECKING:
     from vllm.compilation.backends import VllmBackend
@@ -267,7 +268,10 @@ def load_graph(backend: VllmBackend, model: Any, signature: Any, forward: Callab
     nested = ("inductor compilation", CPU_KERNEL_BUILD)  # rows of their own
     nested_before = timer.total(nested)
     try:
-        runner = _load(backend, model, signature, forward, bound)
+        # Seconds when Inductor loads the pieces the full way (no light entries yet).
+        with waiting(logger, f"Loading the traced graph of {type(model).__name__} and its "
+                     "compiled pieces from the compile cache", announce=False):
+            runner = _load(backend, model, signature, forward, bound)
     except GraphCacheMiss as e:
         reason = str(e)
     except Exception as e:  # a damaged entry, a pickle from other code: never trusted
@@ -372,9 +376,9 @@ def _load_piece(backend: VllmBackend, piece_index: int, compile_range: Range, ke
     if shared is not None:
         return shared
     name = backend.piece_entry(piece_index, compile_range)
-    with cache.lock(), backend.timer.phase("inductor compilation", piece=piece_index,
-                                           range=tag, backend="inductor",
-                                           cache="load failed") as details:
+    with backend.cache_lock(backend.piece_label(piece_index, compile_range)), \
+            backend.timer.phase("inductor compilation", piece=piece_index, range=tag,
+                                backend="inductor", cache="load failed") as details:
         path = cache.lookup(name, key)
         if path is None:
             details["cache"] = "missing"
