@@ -260,19 +260,17 @@ async def _slow_loris(host: str, port: int, headers_only: bool, hold_s: float
     return outcome, time.monotonic() - start
 
 
-async def _hostile_main(base: str, host: str, port: int, model: str, body_limit: int,
-                        duration: float, first: int, gap: float) -> dict:
-    """Cycle through the hostile requests from index `first` until `duration` has passed
-    (the request then under way is cancelled: it is recorded as such), with the slow-loris
+async def _hostile_main(cfg: dict, requests: list[tuple[str, str, bytes]]) -> dict:
+    """Cycle through `requests` from index cfg["first"] for cfg["duration"] s (the request
+    then under way is cancelled, and recorded as such), with cfg["slow_loris"] slow-loris
     connections beside them. Returns the stats, the (kind, start, end) of every request and
     the index to go on from."""
     import httpx
 
-    requests = hostile_requests(model, body_limit)
     stats: dict[str, dict] = {kind: {"outcomes": {}, "times_s": []} for kind, _, _ in requests}
     intervals: list[tuple[str, float, float]] = []
-    deadline = time.monotonic() + duration
-    state = {"next": first}
+    deadline = time.monotonic() + cfg["duration"]
+    state = {"next": cfg["first"]}
 
     def record(kind: str, outcome: str, t0: float) -> None:
         entry = stats.setdefault(kind, {"outcomes": {}, "times_s": []})
@@ -284,19 +282,19 @@ async def _hostile_main(base: str, host: str, port: int, model: str, body_limit:
         kind = "slow_loris_headers" if slot % 2 else "slow_loris_body"
         while (left := deadline - time.monotonic()) > 1.0:
             t0 = time.monotonic()
-            outcome, _ = await _slow_loris(host, port, slot % 2 == 1,
+            outcome, _ = await _slow_loris(cfg["host"], cfg["port"], slot % 2 == 1,
                                            min(SLOW_LORIS_HOLD_S, left))
             record(kind, outcome, t0)
 
     async def cycle() -> None:
         async with httpx.AsyncClient(timeout=HOSTILE_TIMEOUT_S) as client:
-            while True:
+            while requests:
                 kind, path, body = requests[state["next"] % len(requests)]
                 t0 = time.monotonic()
                 try:
                     outcome = await asyncio.wait_for(
-                        _send_hostile(client, base, kind, path, body, body_limit),
-                        max(0.1, deadline - t0))
+                        _send_hostile(client, cfg["base"], kind, path, body,
+                                      cfg["body_limit"]), max(0.1, deadline - t0))
                 except asyncio.TimeoutError:
                     record(kind, "cancelled at the phase end", t0)
                     state["next"] += 1  # (the next phase starts with the next kind)
@@ -304,18 +302,21 @@ async def _hostile_main(base: str, host: str, port: int, model: str, body_limit:
                 record(kind, outcome, t0)
                 state["next"] += 1
                 # (a pause, so that most normal requests overlap one kind only)
-                await asyncio.sleep(min(gap, max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(min(cfg["gap"], max(0.0, deadline - time.monotonic())))
 
-    await asyncio.gather(cycle(), *(loris_slot(k) for k in range(SLOW_LORIS_MAX)))
+    await asyncio.gather(cycle(), *(loris_slot(k) for k in range(cfg["slow_loris"])))
     return {"stats": stats, "intervals": intervals, "next": state["next"]}
 
 
-def hostile_process(base: str, host: str, port: int, model: str, body_limit: int,
-                    duration: float, first: int, gap: float, queue: Any) -> None:
-    """The hostile client's process: runs for `duration` s, then puts its report on
-    `queue`."""
-    queue.put(asyncio.run(_hostile_main(base, host, port, model, body_limit, duration,
-                                        first, gap)))
+def hostile_process(cfg: dict, ready: Any, go: Any, queue: Any) -> None:
+    """The hostile client's process: builds its bodies (tens of MB of JSON: not while the
+    normal clients are measured), sets `ready`, waits for `go`, runs for cfg["duration"] s,
+    then puts its report on `queue`."""
+    requests = [r for r in hostile_requests(cfg["model"], cfg["body_limit"])
+                if cfg["kinds"] is None or r[0] in cfg["kinds"]]
+    ready.set()
+    go.wait()
+    queue.put(asyncio.run(_hostile_main(cfg, requests)))
 
 
 # ---- phases and the report -------------------------------------------------------------------
@@ -340,12 +341,17 @@ def run_phase(args: argparse.Namespace, base: str, port: int, model: str, specs:
     proc = queue = None
     if hostile_from is not None:
         ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
-        proc = ctx.Process(target=hostile_process, daemon=True, args=(
-            base, "127.0.0.1", port, model, int(args.max_request_body_mb * 2**20),
-            args.duration, hostile_from, args.hostile_gap, queue))
+        queue, ready, go = ctx.Queue(), ctx.Event(), ctx.Event()
+        cfg = {"base": base, "host": "127.0.0.1", "port": port, "model": model,
+               "body_limit": int(args.max_request_body_mb * 2**20), "duration": args.duration,
+               "first": hostile_from, "gap": args.hostile_gap, "slow_loris": args.slow_loris,
+               "kinds": None if args.hostile_kinds == "all" else args.hostile_kinds.split(",")}
+        proc = ctx.Process(target=hostile_process, daemon=True, args=(cfg, ready, go, queue))
         proc.start()
-        time.sleep(1.0)  # (its start-up, so that the two run for about the same time)
+        if not ready.wait(120):
+            raise RuntimeError("the hostile client did not get ready in 120 s")
+        time.sleep(1.0)  # (let the machine settle after building the bodies)
+        go.set()
 
     async def both() -> tuple:
         stop = asyncio.Event()
@@ -459,7 +465,7 @@ def markdown(report: dict) -> str:
         "## The hostile client", "",
         "One request at a time, cycling through the kinds below (each with a "
         f"{HOSTILE_TIMEOUT_S:g} s timeout, {a['hostile_gap']:g} s apart, the one under way "
-        f"at a phase's end cancelled), plus up to {SLOW_LORIS_MAX} slow-loris connections "
+        f"at a phase's end cancelled), plus up to {a['slow_loris']} slow-loris connections "
         f"held at most {SLOW_LORIS_HOLD_S:g} s each.", "",
         "The last columns: the normal requests that overlapped a request of that kind (a normal "
         "request may overlap several kinds), their E2E and TTFT p50, against "
@@ -496,6 +502,11 @@ def main() -> int:
     parser.add_argument("--hostile-gap", type=float, default=0.5,
                         help="Seconds the hostile client waits between its requests (so that "
                         "the overlap columns can tell the kinds apart).")
+    parser.add_argument("--hostile-kinds", default="all",
+                        help="Comma-separated kinds the hostile client sends (default: all; "
+                        "'none': only the slow-loris connections).")
+    parser.add_argument("--slow-loris", type=int, default=SLOW_LORIS_MAX,
+                        help="Slow-loris connections held open during a hostile phase.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-threads", type=int, default=1,
                         help="OMP_NUM_THREADS for the server (0: torch's default, all cores). "
@@ -510,6 +521,10 @@ def main() -> int:
     args = parser.parse_args()
     if not (args.clients >= 1 and args.duration > 0 and args.rounds >= 1):
         parser.error("--clients, --duration and --rounds must be positive")
+    known = {kind for kind, _, _ in hostile_requests("m", 2**20)}
+    unknown = set(args.hostile_kinds.split(",")) - known - {"all", "none"}
+    if unknown:
+        parser.error(f"--hostile-kinds: unknown {sorted(unknown)}; choose from {sorted(known)}")
 
     log_dir = tempfile.mkdtemp(prefix="bench_hostile_load_")
     port = free_port()
