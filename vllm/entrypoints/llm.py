@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm.engine.llm_engine import LLMEngine, PromptType
@@ -53,9 +53,11 @@ class LLM:
     # ---- generation ---------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (str, {"prompt": ...} or
         {"prompt_token_ids": [...]}); `sampling_params` is one for all or one per prompt.
+        `use_tqdm`: a progress bar of the finished prompts with the estimated input and output
+        token speeds (True: tqdm's; a callable: the tqdm class to make it with; False: none).
         Every prompt is validated before anything runs: a bad one raises ValueError naming
         its index."""
         if isinstance(prompts, (str, dict)):
@@ -83,7 +85,7 @@ class LLM:
 
     def chat(self, messages: list[ChatMessage] | list[list[ChatMessage]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
+             use_tqdm: bool | Callable[..., Any] = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
@@ -113,7 +115,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[dict], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -125,18 +127,14 @@ class LLM:
             engine.add_request(request_id, prompt, params)
             order[request_id] = index
         results: list[RequestOutput | None] = [None] * len(prompts)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True)
+        bar = _SpeedBar(len(prompts), use_tqdm) if use_tqdm else None
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished and output.request_id in order:
                         results[order[output.request_id]] = output
                         if bar is not None:
-                            bar.update(1)
+                            bar.finished(output)
         except BaseException:
             engine.abort_request(list(order))
             raise
@@ -144,3 +142,33 @@ class LLM:
             if bar is not None:
                 bar.close()
         return results
+
+
+class _SpeedBar:
+    """`LLM.generate`'s bar: prompts finished out of `total`, with upstream's postfix
+    "est. speed input: X toks/s, output: Y toks/s" (the finished requests' prompt and
+    generated tokens over the bar's elapsed time; the speeds of the requests still running
+    are not counted yet, hence "est.")."""
+
+    def __init__(self, total: int, use_tqdm: bool | Callable[..., Any]) -> None:
+        if callable(use_tqdm):
+            make = use_tqdm
+        else:
+            from tqdm.auto import tqdm as make
+        self.input_tokens = self.output_tokens = 0
+        self.bar = make(total=total, desc="Processed prompts", dynamic_ncols=True,
+                        postfix=self.speeds(0.0))
+
+    def speeds(self, elapsed: float) -> str:
+        rate_in = self.input_tokens / elapsed if elapsed > 0 else 0.0
+        rate_out = self.output_tokens / elapsed if elapsed > 0 else 0.0
+        return f"est. speed input: {rate_in:.2f} toks/s, output: {rate_out:.2f} toks/s"
+
+    def finished(self, output: RequestOutput) -> None:
+        self.input_tokens += len(output.prompt_token_ids or ())
+        self.output_tokens += sum(len(c.token_ids) for c in output.outputs)
+        self.bar.postfix = self.speeds(self.bar.format_dict["elapsed"])
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

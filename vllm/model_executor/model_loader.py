@@ -152,17 +152,29 @@ def weight_files(folder: str) -> list[str]:
     return files
 
 
-def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file, tensor name, CPU tensor) for every tensor; a corrupt file is a ValueError."""
+def _open_safetensors(path: str) -> Any:
     from safetensors import safe_open
 
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types
+        raise WeightFileError(f"cannot read safetensors file {path!r} (corrupt or truncated?): "
+                              f"{exc}") from exc
+
+
+def count_tensors(files: list[str]) -> int:
+    """How many tensors the files hold (read from their headers only: milliseconds)."""
+    total = 0
     for path in files:
-        try:
-            handle = safe_open(path, framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types
-            raise WeightFileError(f"cannot read safetensors file {path!r} (corrupt or truncated?): "
-                             f"{exc}") from exc
-        with handle:
+        with _open_safetensors(path) as handle:
+            total += len(handle.keys())
+    return total
+
+
+def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, tensor name, CPU tensor) for every tensor; a corrupt file is a ValueError."""
+    for path in files:
+        with _open_safetensors(path) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 try:
                     tensor = handle.get_tensor(name)
@@ -172,13 +184,26 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, str, torch.Tens
                 yield path, name, tensor
 
 
-def load_safetensors_weights(model: nn.Module, files: list[str]) -> None:
+def load_safetensors_weights(model: nn.Module, files: list[str],
+                             show_progress: bool | None = None) -> None:
+    """Load `files` through the model's weight loaders, with a tqdm bar of the tensors loaded
+    on stderr (`show_progress`; None: on tensor-parallel rank 0 only)."""
+    from tqdm.auto import tqdm
+
+    if show_progress is None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        show_progress = get_tensor_model_parallel_rank() == 0
     current: dict[str, str] = {}
+    bar = tqdm(total=count_tensors(files), desc="Loading safetensors weights", unit="tensor",
+               disable=not show_progress, dynamic_ncols=True,
+               postfix=f"{len(files)} file{'s' if len(files) > 1 else ''}")
 
     def named_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for path, name, tensor in iterate_safetensors(files):
             current["file"], current["name"] = path, name
             yield name, tensor
+            bar.update(1)  # the loader has taken the tensor in
 
     try:
         with torch.no_grad():
@@ -188,6 +213,8 @@ def load_safetensors_weights(model: nn.Module, files: list[str]) -> None:
     except ValueError as exc:
         where = f" (tensor {current.get('name')!r} in {current.get('file')!r})" if current else ""
         raise ValueError(f"{exc}{where}") from exc
+    finally:
+        bar.close()
     missing = missing_parameters(model, loaded)
     if missing:
         shown = ", ".join(missing[:10]) + (f" ... ({len(missing)} in all)" if len(missing) > 10
