@@ -1,12 +1,24 @@
 """The model: a local Hugging Face folder (config.json + safetensors + tokenizer), its dtype,
-its length limit, and the facts the level presets ask about (quantized? MoE?)."""
+its length limit, and the facts the level presets ask about (quantized? MoE?).
+
+Resolving a config needs only a few values of the model's config.json (architectures, length,
+dtype, quantization, head counts), and importing transformers to read it takes ~2 s of CPU
+(it imports torch and torch.distributed.tensor). So where reading config.json directly is known
+to give the values transformers' config object would hold (`read_config_json`), resolution
+reads the file, and `hf_config` (the transformers config) is read on first use: by the
+tokenizer, the model loader or the compile-cache key. The resolved values are the same either
+way (tests/config/test_lazy_hf_config.py compares them).
+"""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+from vllm.config.rope import rope_max_position
 from vllm.config.utils import check_bool_fields, hash_fields
 
 TOKENIZER_MODES = ("auto", "slow")
@@ -74,9 +86,11 @@ class ModelConfig:
     """Values set on the Hugging Face config after it is read (a dict value updates a nested
     config such as text_config), as upstream's hf_overrides."""
     hf_config: Any = field(default=None, repr=False, compare=False)
-    """A transformers PretrainedConfig given directly (tests); otherwise read from the folder."""
+    """A transformers PretrainedConfig given directly (tests); otherwise read from the folder,
+    on first use (see the module docstring)."""
     torch_dtype: Any = field(default=None, init=False, repr=False, compare=False)
-    """The resolved torch.dtype (set by VllmConfig through the platform)."""
+    """The resolved torch.dtype (set by VllmConfig through the platform, as a torch.dtype or
+    its name; torch is imported when it is read). `resolved_dtype` is its name."""
 
     def __post_init__(self) -> None:
         check_bool_fields(self, "model_config")  # enforce_eager="no" would be truthy
@@ -84,9 +98,13 @@ class ModelConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of "
                              + ", ".join(_DTYPES))
-        if self.hf_config is None:
+        if self.__dict__["_hf_config"] is None:
             self.model = resolve_model_path(self.model)
-            self.hf_config = _load_hf_config(self.model, self.trust_remote_code)
+            if not self.hf_overrides:
+                self.__dict__["_config_json"] = read_config_json(self.model,
+                                                                 self.trust_remote_code)
+            if self.__dict__.get("_config_json") is None:
+                self.hf_config = _load_hf_config(self.model, self.trust_remote_code)
         if self.hf_overrides:
             if not isinstance(self.hf_overrides, dict):
                 raise ValueError(f"hf_overrides must be a dict, got {self.hf_overrides!r}")
@@ -148,27 +166,44 @@ class ModelConfig:
 
     # ---- facts about the architecture -------------------------------------------------
     @property
+    def hf_config_loaded(self) -> bool:
+        """Whether the transformers config has been read (or was given)."""
+        return self.__dict__.get("_hf_config") is not None
+
+    def _facts(self, text: bool = True) -> Any:
+        """Where resolution reads model facts: config.json's values while the transformers
+        config is not read yet (and they are known to equal its values), else that config
+        (its text config when `text`)."""
+        if not self.hf_config_loaded and self.__dict__.get("_config_json") is not None:
+            return self.__dict__["_config_json"]
+        return self.text_config if text else self.hf_config
+
+    @property
     def text_config(self) -> Any:
         getter = getattr(self.hf_config, "get_text_config", None)
         return getter() if getter else self.hf_config
 
     @property
     def architectures(self) -> list[str]:
-        return list(getattr(self.hf_config, "architectures", None) or [])
+        return list(getattr(self._facts(text=False), "architectures", None) or [])
 
     @property
     def checkpoint_dtype(self) -> str:
         """The dtype the checkpoint's config.json declares (float32 when it declares none)."""
-        cfg = self.hf_config
+        cfg = self._facts(text=False)
         value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
         name = str(value).replace("torch.", "") if value is not None else "float32"
         return name if name in _DTYPES else "float32"
 
-    def derived_max_model_len(self) -> int:
-        text = self.text_config
-        if isinstance(getattr(text, "max_position_embeddings", None), int):
-            from vllm.model_executor.layers.rotary_embedding import rope_max_position
+    @property
+    def resolved_dtype(self) -> str | None:
+        """The name of the resolved compute dtype ("float32", "bfloat16", ...), None before
+        VllmConfig resolves it; reading it imports no torch."""
+        return self.__dict__.get("_dtype_name")
 
+    def derived_max_model_len(self) -> int:
+        text = self._facts()
+        if isinstance(getattr(text, "max_position_embeddings", None), int):
             return rope_max_position(text)
         for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
             value = getattr(text, key, None)
@@ -183,10 +218,10 @@ class ModelConfig:
         return int(self.text_config.num_hidden_layers)
 
     def get_num_attention_heads(self) -> int:
-        return int(self.text_config.num_attention_heads)
+        return int(self._facts().num_attention_heads)
 
     def get_num_kv_heads(self) -> int:
-        text = self.text_config
+        text = self._facts()
         return int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
 
     def get_head_size(self) -> int:
@@ -214,7 +249,7 @@ class ModelConfig:
             raise ValueError(f"the number of KV heads ({kv_heads}) and tensor_parallel_size "
                              f"({tp}) must divide one another (fewer KV heads than ranks are "
                              f"replicated)")
-        text = self.text_config
+        text = self._facts()
         for key in ("intermediate_size", "moe_intermediate_size"):
             size = getattr(text, key, None)
             if isinstance(size, int) and size % tp:
@@ -228,7 +263,7 @@ class ModelConfig:
         return vocab if self.max_logprobs == -1 else min(self.max_logprobs, vocab)
 
     def get_num_experts(self) -> int:
-        text = self.text_config
+        text = self._facts()
         for key in _EXPERT_KEYS:
             value = getattr(text, key, None)
             if isinstance(value, list):
@@ -244,7 +279,7 @@ class ModelConfig:
     @property
     def quantization_config(self) -> dict | None:
         """The checkpoint's quantization config as a dict (None for an unquantized model)."""
-        for cfg in (self.hf_config, self.text_config):
+        for cfg in (self._facts(text=False), self._facts()):
             value = getattr(cfg, "quantization_config", None)
             if value is None:
                 value = getattr(cfg, "compression_config", None)
@@ -295,7 +330,7 @@ class ModelConfig:
             "architectures": self.architectures,
             "hf_config": (self.hf_config.to_json_string()
                           if hasattr(self.hf_config, "to_json_string") else repr(self.hf_config)),
-            "dtype": str(self.torch_dtype or self.dtype),
+            "dtype": f"torch.{self.resolved_dtype}" if self.resolved_dtype else self.dtype,
             "max_model_len": self.max_model_len,
         }
         return hash_fields(_Hashable(data))
@@ -314,6 +349,109 @@ def _apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
             _apply_overrides(current, value)
         else:
             setattr(config, key, value)
+
+
+class _HfConfigField:
+    """`ModelConfig.hf_config`: the config given, or the folder's, read on first use."""
+
+    def __get__(self, obj: ModelConfig | None, objtype: type | None = None) -> Any:
+        if obj is None:
+            return None
+        if obj.__dict__.get("_hf_config") is None and obj.__dict__.get("_config_json") is not None:
+            obj.__dict__["_hf_config"] = _load_hf_config(obj.model, obj.trust_remote_code)
+        return obj.__dict__.get("_hf_config")
+
+    def __set__(self, obj: ModelConfig, value: Any) -> None:
+        obj.__dict__["_hf_config"] = value
+
+
+class _TorchDtypeField:
+    """`ModelConfig.torch_dtype`: kept as a name, so that resolving needs no torch."""
+
+    def __get__(self, obj: ModelConfig | None, objtype: type | None = None) -> Any:
+        if obj is None or obj.__dict__.get("_dtype_name") is None:
+            return None
+        import torch
+
+        return getattr(torch, obj.__dict__["_dtype_name"])
+
+    def __set__(self, obj: ModelConfig, value: Any) -> None:
+        obj.__dict__["_dtype_name"] = None if value is None else str(value).replace("torch.", "")
+
+
+# Installed over the dataclass's fields (which keep their defaults, repr=False and
+# compare=False): the generated __init__ assigns through them.
+ModelConfig.hf_config = _HfConfigField()  # type: ignore[assignment]
+ModelConfig.torch_dtype = _TorchDtypeField()  # type: ignore[assignment]
+
+
+# Model types whose transformers config class keeps these config.json values as they are
+# (checked against AutoConfig in tests/config/test_lazy_hf_config.py): the architectures the
+# model registry serves. Others are read with transformers at once, as are folders with
+# remote code.
+_DIRECT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+# Values the facts read; transformers fills them with per-model defaults when absent, so
+# they must be present (num_key_value_heads: Qwen2's default is 32, not the head count).
+_REQUIRED_INT_KEYS = ("max_position_embeddings", "hidden_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                      "vocab_size")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def _plain_rope_type(params: Any) -> str | None:
+    """The RoPE type of a flat parameter dict ("default" when it names none, or when it is
+    absent); None for anything else (nested per layer type, not a dict)."""
+    if params is None or params == {}:
+        return "default"
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        return None
+    return params.get("rope_type") or params.get("type") or "default"
+
+
+def read_config_json(path: str, trust_remote_code: bool = False) -> SimpleNamespace | None:
+    """config.json of the folder `path` as attributes, when its values are those the
+    transformers config would hold for every fact resolution reads: a model type of
+    `_DIRECT_MODEL_TYPES`, the sizes present as integers, the dtype named once, RoPE without
+    a scaling that changes the length (default or llama3; transformers reads `rope_scaling`
+    before `rope_parameters`, this engine the other way round, so both must agree). None
+    otherwise, or when the file cannot be read: then transformers reads it (and names what
+    is wrong)."""
+    if trust_remote_code:
+        return None
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") not in _DIRECT_MODEL_TYPES:
+        return None
+    if "text_config" in raw or "auto_map" in raw:
+        return None
+    architectures = raw.get("architectures")
+    if not (isinstance(architectures, list) and architectures
+            and all(isinstance(a, str) for a in architectures)):
+        return None
+    for key in _REQUIRED_INT_KEYS:
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            return None
+    if raw["model_type"] == "mixtral" and not isinstance(raw.get("num_local_experts"), int):
+        return None
+    dtypes = {raw[k] for k in ("dtype", "torch_dtype") if raw.get(k) is not None}
+    if len(dtypes) > 1 or not all(d in _DTYPES[1:] for d in dtypes):
+        return None
+    rope_types = {_plain_rope_type(raw.get("rope_scaling") or raw.get("rope_parameters")),
+                  _plain_rope_type(raw.get("rope_parameters") or raw.get("rope_scaling"))}
+    if not rope_types <= {"default", "llama3"}:
+        return None
+    if "llama3" in rope_types:
+        params = raw.get("rope_scaling") or raw.get("rope_parameters")
+        if not all(isinstance(params.get(k), (int, float)) for k in _LLAMA3_ROPE_KEYS):
+            return None
+    for key in ("quantization_config", "compression_config"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            return None
+    return SimpleNamespace(**raw)
 
 
 def _load_hf_config(path: str, trust_remote_code: bool):

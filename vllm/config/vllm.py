@@ -152,14 +152,13 @@ class VllmConfig:
         mc = self.model_config
         if mc is None:
             return
-        import torch
-
+        # A name (torch_dtype imports torch when it is read): resolving needs no torch.
         if mc.dtype == "auto":
             mc.torch_dtype, reason = self.platform.resolve_auto_dtype(mc)
             self.provenance["model_config.dtype"] = Provenance(
                 f"platform {self.platform.device_name}", reason)
         else:
-            mc.torch_dtype = getattr(torch, mc.dtype)
+            mc.torch_dtype = mc.dtype
         if self.scheduler_config.max_model_len is None:
             self.scheduler_config.max_model_len = mc.max_model_len
 
@@ -375,7 +374,7 @@ class VllmConfig:
                 continue
             value = self.get_path(path)
             if path == "model_config.dtype":
-                value = str(self.model_config.torch_dtype).replace("torch.", "")
+                value = str(self.model_config.resolved_dtype)
             rows.append((path, value, self.provenance.get(path, Provenance("default", ""))))
         return rows
 

@@ -6,8 +6,6 @@ from typing import TYPE_CHECKING
 from vllm.platforms.interface import Platform, PlatformEnum
 
 if TYPE_CHECKING:
-    import torch
-
     from vllm.config import ModelConfig, VllmConfig
 
 
@@ -32,18 +30,16 @@ class CpuPlatform(Platform):
     def is_available(self) -> bool:
         return True
 
-    def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[torch.dtype, str]:
-        import torch
-
+    def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[str, str]:
         name = model_config.checkpoint_dtype
         if name == "float32":
-            return torch.float32, "checkpoint dtype float32"
+            return "float32", "checkpoint dtype float32"
         if cpu_has_native_bf16():
-            return getattr(torch, name), f"checkpoint dtype {name}; this CPU has native bf16"
+            return name, f"checkpoint dtype {name}; this CPU has native bf16"
         # Measured on AVX2 machines without native bf16 (DESIGN.md §3): bf16 halves the bytes
         # of memory-bound batch-1 decode (~2x) but emulated bf16 matmuls run ~8x slower, so
         # prefill and batched decode lose far more than batch-1 decode gains.
-        return torch.float32, (
+        return "float32", (
             f"checkpoint dtype {name}, but this CPU has no native bf16 (emulated bf16 GEMMs are "
             "~8x slower than fp32); pass --dtype bfloat16 for ~2x faster batch-1 decode")
 

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 from vllm.platforms.interface import Platform, PlatformEnum
 
 if TYPE_CHECKING:
-    import torch
 
     from vllm.config import ModelConfig, VllmConfig
 
@@ -28,17 +27,17 @@ class CudaPlatform(Platform):
     def support_static_graph_mode(self) -> bool:
         return True
 
-    def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[torch.dtype, str]:
+    def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[str, str]:
         """float32 checkpoints run in bfloat16 (float16 on GPUs without it), as vLLM does: the
         GPU's tensor cores and memory traffic both favour 16-bit; other dtypes as stored."""
-        import torch
-
         name = model_config.checkpoint_dtype
         if name != "float32":
-            return getattr(torch, name), f"checkpoint dtype {name}"
-        half = (torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False)
-                else torch.float16)  # not emulated bf16 (pre-Ampere GPUs)
-        return half, (f"checkpoint dtype float32, run in {str(half)[6:]} on CUDA; pass --dtype "
+            return name, f"checkpoint dtype {name}"
+        import torch
+
+        half = ("bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False)
+                else "float16")  # not emulated bf16 (pre-Ampere GPUs)
+        return half, (f"checkpoint dtype float32, run in {half} on CUDA; pass --dtype "
                       "float32 to keep float32")
 
     def apply_level_defaults(self, vllm_config: VllmConfig) -> None:

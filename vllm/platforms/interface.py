@@ -77,12 +77,11 @@ class Platform:
         return torch.device(self.device_type)
 
     # ---- config hooks ------------------------------------------------------------------
-    def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[torch.dtype, str]:
-        """The compute dtype for dtype="auto", and the reason for the choice."""
-        import torch
-
+    def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[str, str]:
+        """The compute dtype for dtype="auto" (its torch name, e.g. "bfloat16"), and the reason
+        for the choice. A name, so that resolving a config needs no torch."""
         name = model_config.checkpoint_dtype
-        return getattr(torch, name), f"checkpoint dtype {name}"
+        return name, f"checkpoint dtype {name}"
 
     def apply_level_defaults(self, vllm_config: VllmConfig) -> None:
         """Fill or narrow platform-owned fields after the level preset (DESIGN.md §3 step 3).
