@@ -18,7 +18,8 @@
 * `--config FILE.yaml` (upstream's): the file's keys are options (`port: 8000`,
   `tensor-parallel-size: 2` or `tensor_parallel_size: 2`; `true` = a switch given, `false` =
   not given, lists = several values, mappings = JSON), spliced in where `--config` stands; an
-  option also given on the command line keeps the command line's value.
+  option also given on the command line keeps the command line's value. `--config` is listed
+  in the `--help` of every parser without subcommands (`vllm serve --help`), as upstream's.
 
 Errors are one line, `<prog>: error: <message>`, exit code 2, without the usage block.
 """
@@ -111,8 +112,34 @@ def json_dict_type(what: str, validate: Callable[[dict], Any] | None = None
 
 
 # ---- the parser ----------------------------------------------------------------------------
+_CONFIG_HELP = ("Read options from a YAML file of option: value lines (e.g. `port: 8000`, "
+                "`tensor-parallel-size: 2`); options also given on the command line keep the "
+                "command line's values.")
+
+
 class FlexibleArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser that accepts vLLM's spellings (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # For --help only: parse_args splices the file's options in before argparse runs,
+        # so this action never receives a value (args.config stays None).
+        self._config_action: argparse.Action | None = self.add_argument(
+            "--config", metavar="FILE.yaml", default=None, help=_CONFIG_HELP)
+
+    def add_subparsers(self, **kwargs: Any) -> argparse._SubParsersAction:
+        """As argparse's; a parser with subcommands leaves `--config` to them (the file holds
+        a subcommand's options)."""
+        action = self._config_action
+        if action is not None:
+            self._config_action = None
+            self._remove_action(action)
+            for group in self._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+            for option in action.option_strings:
+                self._option_string_actions.pop(option, None)
+        return super().add_subparsers(**kwargs)
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:

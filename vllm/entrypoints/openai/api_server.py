@@ -36,6 +36,7 @@ from vllm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
+    ResponsesRequest,
     TokenizeRequest,
     decode_json_body,
     error_body,
@@ -44,6 +45,7 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.request_guard import RequestGuard, RootPathMiddleware
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import ClientDisconnected, OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from vllm.logger import init_logger
@@ -204,6 +206,16 @@ def build_app(engine: AsyncLLM, served_model_names: Sequence[str], api_key: str 
         request = await read_request(raw, ChatCompletionRequest)
         try:
             return respond(await state.chat.create_chat_completion(request, raw))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    responses = OpenAIServingResponses.sharing(state.chat)
+
+    @app.post("/v1/responses")
+    async def create_response(raw: Request) -> Response:
+        request = await read_request(raw, ResponsesRequest)
+        try:
+            return respond(await responses.create_response(request, raw))
         except ClientDisconnected:
             return Response(status_code=499)
 

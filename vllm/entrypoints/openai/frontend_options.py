@@ -33,6 +33,9 @@ class FrontendOptions:
     """Prompts one /v1/completions request may carry in its `prompt` list."""
     require_api_key_for_metrics: bool = False
     """With an API key, /metrics needs it too (it is open by default, for scrapers)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprob tokens as "token_id:N" strings by default (a request's
+    return_tokens_as_token_ids overrides it)."""
 
     def __post_init__(self) -> None:
         if not self.max_request_body_mb > 0:
@@ -65,7 +68,8 @@ class FrontendOptions:
                    allow_credentials=args.allow_credentials,
                    max_request_body_mb=args.max_request_body_mb,
                    max_prompts_per_request=args.max_prompts_per_request,
-                   require_api_key_for_metrics=args.require_api_key_for_metrics)
+                   require_api_key_for_metrics=args.require_api_key_for_metrics,
+                   return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def json_list(flag: str):
@@ -128,3 +132,7 @@ def add_frontend_args(group: Any) -> None:
     group.add_argument("--require-api-key-for-metrics", action="store_true",
                        help="With --api-key, protect /metrics too (open by default for "
                        "Prometheus scrapers; /health and /ping are always open).")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="Name logprob tokens \"token_id:N\" instead of their text (for "
+                       "tokens that are not valid UTF-8 alone); a request's "
+                       "return_tokens_as_token_ids overrides it.")

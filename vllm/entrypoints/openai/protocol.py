@@ -30,7 +30,8 @@ logger = init_logger(__name__)
 
 __all__ = [
     "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "MAX_JSON_DEPTH",
-    "OpenAIError", "StreamOptions", "TokenizeRequest", "decode_json_body", "error_body",
+    "OpenAIError", "ResponsesRequest", "StreamOptions", "TokenizeRequest", "decode_json_body",
+    "error_body",
     "from_validation_error", "parse_request",
 ]
 
@@ -208,6 +209,9 @@ class _SamplingFields(OpenAIBaseModel):
     """vLLM's: add the prompt's and each choice's token ids to the response."""
     truncate_prompt_tokens: StrictInt | None = None
     """vLLM's: keep only the prompt's last N tokens (-1: the last max_model_len)."""
+    return_tokens_as_token_ids: StrictBool | None = None
+    """vLLM's: logprob tokens as "token_id:N" strings instead of their text (None: the
+    server's --return-tokens-as-token-ids)."""
     bad_words: list[StrictStr] | None = None
     response_format: dict[str, Any] | None = None
     """Only {"type": "text"}: JSON output needs structured outputs, which this server lacks."""
@@ -354,6 +358,126 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     model: StrictStr | None = None
     tokens: list[StrictInt]
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses (OpenAI's Responses API, text in and text out).
+
+    `input` is the user's text, or a list of messages: {"role", "content"} (optionally with
+    "type": "message"), the content a string or a list of input_text / output_text parts.
+    `instructions` becomes a system message before them. The reply is generated as a chat
+    completion (`to_chat_request`). This server keeps no responses (store is reported false)
+    and has no tool calls or structured outputs: previous_response_id, background, tools and
+    a non-text `text.format` are refused when set, never ignored."""
+
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    stream: StrictBool | None = False
+    user: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+    background: StrictBool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    # vLLM's extras
+    request_id: StrictStr | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    def check_supported(self) -> None:
+        """400 naming the field for what this server cannot do."""
+        if self.previous_response_id is not None:
+            raise OpenAIError("previous_response_id is not supported: this server does not "
+                              "store responses; send the whole conversation in input", 400,
+                              "previous_response_id")
+        if self.background:
+            raise OpenAIError("background is not supported: this server answers responses "
+                              "while the request is open", 400, "background")
+        if self.tools:
+            raise OpenAIError("tools are not supported on /v1/responses: this server has no "
+                              "tool-call parser", 400, "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise OpenAIError(f"tool_choice {self.tool_choice!r} needs tools, which this "
+                              f"server does not support on /v1/responses", 400, "tool_choice")
+        fmt = (self.text or {}).get("format") or {}
+        kind = fmt.get("type", "text") if isinstance(fmt, dict) else fmt
+        if kind != "text":
+            raise OpenAIError(f"text.format type {kind!r} is not supported: this server has "
+                              f"no structured outputs", 400, "text.format")
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as chat messages ({"role", "content": str}); 400 naming e.g.
+        `input[1].content[0]` for an item or part that is not text."""
+        out: list[dict[str, str]] = []
+        if self.instructions is not None:
+            out.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return out + [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise OpenAIError("input must be a string or a non-empty list of messages", 400,
+                              "input")
+        for i, item in enumerate(self.input):
+            out.append(_response_input_message(item, f"input[{i}]"))
+        return out
+
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """The chat completion that generates this response."""
+        fields: dict[str, Any] = {
+            "messages": self.messages(), "model": self.model,
+            "max_tokens": self.max_output_tokens, "stream": self.stream,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                     "stop", "user"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        return ChatCompletionRequest.model_validate(fields)
+
+
+_RESPONSE_ROLES = ("user", "assistant", "system", "developer")
+_RESPONSE_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _response_input_message(item: Any, where: str) -> dict[str, str]:
+    """One Responses API input item as a chat message (see ResponsesRequest.messages)."""
+    if not isinstance(item, dict):
+        raise OpenAIError(f"{where} must be a message object {{\"role\": ..., \"content\": ...}}",
+                          400, where)
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise OpenAIError(f"{where}.type: only message items are supported (text in, text "
+                          f"out), got {kind!r}", 400, f"{where}.type")
+    role = item.get("role")
+    if role not in _RESPONSE_ROLES:
+        raise OpenAIError(f"{where}.role must be one of {', '.join(_RESPONSE_ROLES)}, got "
+                          f"{role!r}", 400, f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise OpenAIError(f"{where}.content must be a string or a list of input_text parts",
+                          400, f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in _RESPONSE_TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise OpenAIError(f"{where}.content[{j}]: only text parts are supported "
+                              f"({{\"type\": \"input_text\", \"text\": ...}}), got {kind!r}",
+                              400, f"{where}.content[{j}]")
+        texts.append(part["text"])
+    return {"role": role, "content": "\n".join(texts)}
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -170,7 +170,8 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs,
-                                              request.top_logprobs or 0)
+                                              request.top_logprobs or 0,
+                                              self.tokens_as_ids(request))
             choice = {"index": c.index, "message": {"role": role, "content": echo + c.text},
                       "logprobs": logprobs, "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}
@@ -193,6 +194,7 @@ class OpenAIServingChat(OpenAIServing):
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
+        as_ids = self.tokens_as_ids(request)
 
         def usage() -> dict:
             done = sum(sent_tokens.values())
@@ -232,7 +234,7 @@ class OpenAIServingChat(OpenAIServing):
                     if request.logprobs:
                         entries = None if c.logprobs is None else c.logprobs[start_tok:]
                         logprobs = self.chat_logprobs(new_ids, entries,
-                                                      request.top_logprobs or 0)
+                                                      request.top_logprobs or 0, as_ids)
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         finished.add(c.index)

@@ -9,6 +9,7 @@ requests so their KV blocks are freed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -171,6 +172,15 @@ class OpenAIServing:
         budget = room if requested is None else requested
         return budget if self.default_max_tokens is None else min(budget,
                                                                    self.default_max_tokens)
+
+    def check_prompt_fits(self, prompt_len: int, prompt_param: str = "prompt") -> None:
+        """400 naming the prompt when it is longer than max_model_len (for requests that
+        generate nothing the caller sees)."""
+        if prompt_len > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"{prompt_param} has {prompt_len} tokens. Please shorten the {prompt_param}.",
+                400, prompt_param)
 
     def sampling_params(self, kwargs: dict[str, Any], max_tokens: int,
                         logprobs: int | None) -> Any:
@@ -342,6 +352,17 @@ class OpenAIServing:
         return [f for f in finals if f is not None]
 
     # ---- tokens and logprobs -------------------------------------------------------------
+    def tokens_as_ids(self, request: Any) -> bool:
+        """Whether logprob tokens are shown as "token_id:N": the request's
+        return_tokens_as_token_ids, else the server's --return-tokens-as-token-ids."""
+        wanted = getattr(request, "return_tokens_as_token_ids", None)
+        return self.options.return_tokens_as_token_ids if wanted is None else wanted
+
+    def token_label(self, token_id: int, logprob: Any, as_ids: bool) -> str:
+        """How a logprob entry names its token: its text, or "token_id:N" (`as_ids`: for
+        tokens whose text alone is not valid UTF-8, or clients that map ids themselves)."""
+        return f"token_id:{token_id}" if as_ids else self.token_text(token_id, logprob)
+
     def token_text(self, token_id: int, logprob: Any = None) -> str:
         decoded = getattr(logprob, "decoded_token", None)
         if decoded is not None:
@@ -353,16 +374,17 @@ class OpenAIServing:
         return text
 
     def completion_logprobs(self, token_ids: list[int], entries: list[dict] | None,
-                            text_offset: int) -> dict:
-        """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+                            text_offset: int, as_ids: bool = False) -> dict:
+        """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+        `as_ids`: tokens named "token_id:N"; the offsets still count the tokens' text."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for pos, tid in enumerate(token_ids):
             entry = (entries[pos] if entries is not None and pos < len(entries) else None) or {}
             chosen = entry.get(tid)
             text = self.token_text(tid, chosen)
-            tokens.append(text)
+            tokens.append(f"token_id:{tid}" if as_ids else text)
             token_logprobs.append(None if chosen is None else _finite(chosen.logprob))
-            tops.append({self.token_text(t, lp): _finite(lp.logprob)
+            tops.append({self.token_label(t, lp, as_ids): _finite(lp.logprob)
                          for t, lp in _by_rank(entry)} if entry else None)
             offsets.append(text_offset)
             text_offset += len(text)
@@ -370,16 +392,18 @@ class OpenAIServing:
                 "text_offset": offsets}
 
     def chat_logprobs(self, token_ids: list[int], entries: list[dict] | None,
-                      num_top: int) -> dict:
-        """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+                      num_top: int, as_ids: bool = False) -> dict:
+        """OpenAI chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}.
+        `as_ids`: tokens named "token_id:N" (bytes: that name's, as upstream)."""
         content = []
         for pos, tid in enumerate(token_ids):
             entry = entries[pos] if entries is not None and pos < len(entries) else {}
             chosen = entry.get(tid)
-            text = self.token_text(tid, chosen)
-            top = [{"token": self.token_text(t, lp), "logprob": _finite(lp.logprob),
-                    "bytes": list(self.token_text(t, lp).encode("utf-8"))}
-                   for t, lp in _by_rank(entry)[:num_top]]
+            text = self.token_label(tid, chosen, as_ids)
+            top = [{"token": label, "logprob": _finite(lp.logprob),
+                    "bytes": list(label.encode("utf-8"))}
+                   for t, lp in _by_rank(entry)[:num_top]
+                   for label in (self.token_label(t, lp, as_ids),)]
             content.append({"token": text,
                             "logprob": -9999.0 if chosen is None else _finite(chosen.logprob),
                             "bytes": list(text.encode("utf-8")), "top_logprobs": top})
@@ -417,6 +441,18 @@ def _prompt_entries(output: RequestOutput, num_prompt_tokens: int) -> list:
     none."""
     entries = list(output.prompt_logprobs or [])
     return entries + [None] * (num_prompt_tokens - len(entries))
+
+
+def _without_generation(output: RequestOutput) -> RequestOutput:
+    """A finished echo-only output (max_tokens=0) as the client sees it: every completion
+    empty, finished by "length" (the budget of 0 tokens), unless it was aborted or failed."""
+    return dataclasses.replace(output, outputs=[
+        dataclasses.replace(
+            c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+            cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
+            finish_reason=c.finish_reason if c.finish_reason not in ("stop", "length")
+            else "length", stop_reason=None)
+        for c in output.outputs])
 
 
 def _end_offset(logprobs: dict, start: int) -> int:
@@ -481,10 +517,25 @@ class OpenAIServingCompletion(OpenAIServing):
         for item in items:
             if isinstance(item, str):
                 self.check_text_length(len(item), "prompt", keep)
+        echo_only = request.echo and request.max_tokens == 0
+        if request.max_tokens == 0 and not request.echo:
+            raise OpenAIError("max_tokens must be at least 1, got 0 (0 is allowed only with "
+                              "echo=true, to score the prompt without generating)", 400,
+                              "max_tokens")
+        if echo_only and request.min_tokens > 0:
+            raise OpenAIError(f"min_tokens must be <= max_tokens (0), got {request.min_tokens}",
+                              400, "min_tokens")
         texts, prompts = await self.off_loop(lambda: self._prompt_tokens(request, items),
                                              "tokenizing the prompt")
         longest = max(len(p) for p in prompts)
-        max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
+        if echo_only:
+            # The engine computes the prompt's logprobs in the step that samples the first
+            # token: that one token is generated and dropped (as upstream does), so the
+            # prompt may fill max_model_len.
+            self.check_prompt_fits(longest)
+            max_tokens = 1
+        else:
+            max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
         kwargs = request.sampling_kwargs(self.default_sampling)
         wanted = self.check_prompt_logprobs(request)
         if request.echo and request.logprobs is not None:
@@ -498,9 +549,11 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.start(base_id, prompts, params, raw_request)
         if request.stream:
             return ClosingStream(
-                self._stream(request, streams, prompts, texts, base_id, created, model),
-                streams, self)
+                self._stream(request, streams, prompts, texts, base_id, created, model,
+                             echo_only), streams, self)
         finals = await self.collect(streams, raw_request)
+        if echo_only:
+            finals = [_without_generation(f) for f in finals]
         return self._response(request, finals, prompts, texts, base_id, created, model)
 
     def _prompt_tokens(self, request: CompletionRequest, items: list[str | list[int]]
@@ -532,6 +585,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         completion_tokens = 0
         n = request.n
+        as_ids = self.tokens_as_ids(request)
         for i, final in enumerate(finals):
             prefix = texts[i] if request.echo else ""
             for c in final.outputs:
@@ -540,9 +594,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.logprobs is not None and request.echo:
                     logprobs = self.completion_logprobs(
                         prompts[i] + list(c.token_ids),
-                        _prompt_entries(final, len(prompts[i])) + list(c.logprobs or []), 0)
+                        _prompt_entries(final, len(prompts[i])) + list(c.logprobs or []), 0,
+                        as_ids)
                 elif request.logprobs is not None:
-                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, 0)
+                    logprobs = self.completion_logprobs(c.token_ids, c.logprobs, 0, as_ids)
                 choice = {"index": i * n + c.index, "text": prefix + c.text,
                           "logprobs": logprobs, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason}
@@ -558,8 +613,11 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, request: CompletionRequest, streams: list[RequestStream],
                       prompts: list[list[int]], texts: list[str], base_id: str, created: int,
-                      model: str) -> AsyncIterator[str]:
+                      model: str, echo_only: bool = False) -> AsyncIterator[str]:
+        """`echo_only` (echo with max_tokens=0): each choice is one chunk, the prompt and its
+        logprobs, sent when its request has finished (its one token dropped)."""
         n = request.n
+        as_ids = self.tokens_as_ids(request)
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         # echo + logprobs: the text offset of each choice's next token (its tokens' texts
@@ -578,6 +636,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
         try:
             async for i, output in self.merged(streams):
+                if echo_only:
+                    if not output.finished:
+                        continue
+                    output = _without_generation(output)
                 choices = []
                 for c in output.outputs:
                     index = i * n + c.index
@@ -600,7 +662,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                 ids = prompts[i] + list(new_ids)
                                 entries = _prompt_entries(output, len(prompts[i])) + entries
                             offset = next_offset.get(index, 0)
-                        logprobs = self.completion_logprobs(ids, entries, offset)
+                        logprobs = self.completion_logprobs(ids, entries, offset, as_ids)
                         next_offset[index] = _end_offset(logprobs, offset)
                     sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
