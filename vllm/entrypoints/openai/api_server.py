@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server behind `vllm serve`.
 
-Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or server-sent events),
-`/tokenize`, `/detokenize` (vLLM's), `/health`, `/version`, `/metrics` (Prometheus text). With
-an API key (`--api-key` or VLLM_API_KEY) every route but /health, /ping and /metrics needs
-`Authorization: Bearer <key>`; body size, content type and the URL prefix are checked before
-any route runs (request_guard.py).
+Routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/v1/responses` (JSON or
+server-sent events), `/tokenize`, `/detokenize` (vLLM's), `/health`, `/version`, `/metrics`
+(Prometheus text). With an API key (`--api-key` or VLLM_API_KEY) every route but /health,
+/ping and /metrics needs `Authorization: Bearer <key>`; body size, content type and the URL
+prefix are checked before any route runs (request_guard.py).
 
 Life cycle: the engine is built (model loaded, compiled) before the socket is bound, so
 `/health` answers 200 only once the server can generate. SIGTERM (or Ctrl+C) starts a
