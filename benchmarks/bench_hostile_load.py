@@ -483,6 +483,8 @@ def markdown(report: dict) -> str:
                      f"{near['p50_e2el_ms']:.0f} / {near['p50_ttft_ms']:.0f} |")
     if report["normal_errors"]:
         lines += ["", "Normal clients' errors: " + "; ".join(report["normal_errors"])]
+    if a.get("note"):
+        lines += ["", a["note"]]
     return "\n".join(lines) + "\n"
 
 
@@ -518,6 +520,7 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--output-dir", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="hostile_load")
+    parser.add_argument("--note", default=None, help="A paragraph added at the end.")
     args = parser.parse_args()
     if not (args.clients >= 1 and args.duration > 0 and args.rounds >= 1):
         parser.error("--clients, --duration and --rounds must be positive")
