@@ -73,7 +73,7 @@ def _deep(depth: int, kind: str = "list") -> Raw:
     return Raw('{"a":' * depth + "1" + "}" * depth)
 
 
-HUGE = 5000  # elements of a huge array: well within any sane body limit (< 64 KB)
+HUGE = 5000  # elements of a huge array (each such body stays under 200 KB)
 HOSTILE_CONSTANTS = [
     2**31, 2**32 + 1, 2**63, -(2**63) - 1, 2**64, 10**100, -(10**30), -1, 0, 1e308, -1e308,
     5e-324, -0.0, math.inf, -math.inf, math.nan, True, False, None, "", " ", "\ud800",
@@ -93,7 +93,7 @@ _json_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(),
 JSON_VALUES = st.recursive(_json_leaf, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=8)
-# Half the hostile values are the constants above (so that each shows up in a run).
+# Three hostile values in eight are the constants above (so that most show up in a run).
 HOSTILE = st.one_of(st.sampled_from(HOSTILE_CONSTANTS), st.sampled_from(HOSTILE_CONSTANTS),
                     st.sampled_from(HOSTILE_CONSTANTS), st.integers(), st.floats(),
                     st.text(max_size=16), _lone_surrogate, JSON_VALUES)
@@ -107,8 +107,8 @@ EXTRA_FIELDS = ["max_completion_tokens", "guided_json", "structured_outputs", "u
 # Each route draws from its model's JSON schema in two forms: as pydantic writes it (any value
 # of the right type: temperature 1e126, top_k -412, random model names), and tightened by the
 # patches below to values a real client sends, so that many requests are accepted and reach the
-# engine. A field the patches leave alone keeps its schema. hypothesis-jsonschema also adds
-# unknown properties (the schemas allow them, as the server ignores them).
+# engine. A field the patches leave alone keeps its schema. Bodies also get unknown properties
+# (the schemas allow them; the server ignores them).
 
 
 def _int(lo: int, hi: int) -> dict:
@@ -353,9 +353,17 @@ def _mutated(draw: Any, body: dict, fields: list[str]) -> Any:
 
 def _bounded(route: str, body: Any) -> Any:
     """Keep what an accepted body may cost small: an output budget <= MAX_OUT tokens (a
-    missing or null one would mean the whole context), at most MAX_PROMPTS prompts."""
+    missing or null one would mean the whole context; a mutation may have drawn 500), n <=
+    MAX_N, at most MAX_PROMPTS prompts. Values the server must refuse (0, -1, 2**63, over
+    the context or the n limit) stay as they are."""
     if not isinstance(body, dict):
         return body
+    for name, cap, refused_above in (("max_tokens", MAX_OUT, 1024),
+                                     ("max_completion_tokens", MAX_OUT, 1024),
+                                     ("n", MAX_N, 128)):
+        value = body.get(name)
+        if type(value) is int and cap < value <= refused_above:
+            body[name] = cap
     if route == "/v1/completions":
         if body.get("max_tokens") is None:
             body["max_tokens"] = MAX_OUT
