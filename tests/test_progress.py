@@ -54,8 +54,8 @@ def test_a_long_wait_logs_its_start_then_every_interval_then_its_end(clock, watc
         assert wait.ticks == 2
         clock.now = 130.0  # a late wake-up: one line, not the five it missed
         assert watcher.poll() == 132.0
-    assert lines() == ["Building k ...", "Building k (started 2.0 s ago)",
-                       "Building k (started 7.0 s ago)", "Building k (started 30.0 s ago)",
+    assert lines() == ["Building k ...", "Building k: 2.0 s so far",
+                       "Building k: 7.0 s so far", "Building k: 30.0 s so far",
                        "Built k in 30.0 s"]
     assert watcher.active() == [] and watcher.poll() is None
 
@@ -69,7 +69,7 @@ def test_a_quiet_wait_logs_nothing_when_it_ends_within_the_delay(clock, watcher,
     with waiting(log(), "Loading p", done="Loaded p", announce=False, watcher=watcher):
         clock.now += 2.5
         watcher.poll()
-    assert lines() == ["Loading p (started 2.5 s ago)", "Loaded p in 2.5 s"]
+    assert lines() == ["Loading p: 2.5 s so far", "Loaded p in 2.5 s"]
 
 
 def test_a_failed_wait_stops_its_lines_and_says_so_when_it_logged_progress(clock, watcher,
@@ -79,23 +79,35 @@ def test_a_failed_wait_stops_its_lines_and_says_so_when_it_logged_progress(clock
         clock.now += 3.0
         watcher.poll()
         raise KeyError("boom")
-    assert lines() == ["Compiling x (started 3.0 s ago)",
+    assert lines() == ["Compiling x: 3.0 s so far",
                        "Compiling x: stopped after 3.0 s (KeyError)"]
     clock.now += 60.0
     watcher.poll()
     assert len(lines()) == 2
 
 
-def test_nested_waits_each_log_their_own_lines(clock, watcher, lines):
+def test_only_the_innermost_wait_of_a_thread_logs_progress(clock, watcher, lines):
+    """A start-up phase stays quiet while the compile inside it reports; a wait of another
+    thread has its own lines."""
+    other: list = []
     with waiting(log(), "outer", announce=False, watcher=watcher):
         clock.now += 1.0
         with waiting(log(), "inner", announce=False, watcher=watcher):
             assert watcher.active() == ["outer", "inner"]
+            thread = threading.Thread(target=lambda: other.append(
+                watcher.add(log(), "other thread")))
+            thread.start()
+            thread.join()
             clock.now += 1.5
-            assert watcher.poll() == 103.0  # the inner wait's first line
+            assert watcher.poll() == 103.0  # outer's line skipped; the others' are due at 103
+            assert lines() == []
             clock.now += 0.5
-            assert watcher.poll() == 107.0  # the outer wait's second line
-    assert lines() == ["outer (started 2.5 s ago)", "inner (started 2.0 s ago)"]
+            watcher.poll()
+        watcher.remove(other[0])
+        clock.now = 107.0
+        watcher.poll()
+    assert lines() == ["inner: 2.0 s so far", "other thread: 2.0 s so far",
+                       "outer: 7.0 s so far"]
 
 
 def test_the_done_line_may_be_changed_inside_the_block(clock, watcher, lines):
@@ -174,8 +186,32 @@ def test_a_cpu_kernel_build_logs_while_it_lasts(tmp_path, monkeypatch, clock, wa
     assert cpu_kernels.load_cpu_extension("progress_test_kernel", str(tmp_path / "k.cpp"),
                                           "VLLM_PROGRESS_TEST_KERNEL", source_text="// none")
     messages = [r.getMessage() for r in caplog.records if r.name == "vllm.utils.cpu_kernels"]
-    what = "Building the CPU kernel progress_test_kernel (once per machine)"
-    assert messages[:4] == [f"{what} ...", f"{what} (started 2.0 s ago)",
-                            f"{what} (started 7.0 s ago)", f"{what} (started 12.0 s ago)"]
+    what = "Building the CPU kernel progress_test_kernel"
+    assert messages[0].startswith(f"{what} (once per machine")
+    assert messages[1:4] == [f"{what}: 2.0 s so far",
+                            f"{what}: 7.0 s so far", f"{what}: 12.0 s so far"]
     assert messages[4].startswith("Built the CPU kernel progress_test_kernel into ")
     assert messages[4].endswith(" in 12.0 s") and len(messages) == 5
+
+
+def test_a_long_start_up_phase_logs_unless_a_wait_inside_it_reports(monkeypatch, clock,
+                                                                     watcher, caplog):
+    from vllm.compilation.monitor import StartupTimer
+
+    monkeypatch.setattr(progress, "_watcher", watcher)
+    caplog.set_level(logging.INFO)
+    timer = StartupTimer()
+    with timer.phase("weight loading"):
+        clock.now += 2.0
+        watcher.poll()
+        with waiting(log(), "Building k", watcher=watcher):
+            clock.now += 5.0
+            watcher.poll()
+        clock.now += 5.0
+        watcher.poll()
+    clock.now += 60.0
+    watcher.poll()
+    assert [r.getMessage() for r in caplog.records] == [
+        "Start-up (weight loading): 2.0 s so far", "Building k ...",
+        "Building k: 5.0 s so far", "Start-up (weight loading): 12.0 s so far"]
+    assert timer.count("weight loading") == 1 and watcher.active() == []

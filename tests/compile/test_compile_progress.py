@@ -29,7 +29,7 @@ def piece_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == LOGGER and re.match(r"(Compiling|Compiled|Loading|Loaded) piece",
                                              r.getMessage())
-            and not r.getMessage().endswith(" s ago)")]
+            and not r.getMessage().endswith(" s so far")]
 
 
 def test_each_piece_compile_logs_its_start_and_its_end(caplog):

@@ -376,14 +376,17 @@ def _load_piece(backend: VllmBackend, piece_index: int, compile_range: Range, ke
     if shared is not None:
         return shared
     name = backend.piece_entry(piece_index, compile_range)
-    with backend.cache_lock(backend.piece_label(piece_index, compile_range)), \
+    what = backend.piece_label(piece_index, compile_range)
+    with backend.cache_lock(what), \
             backend.timer.phase("inductor compilation", piece=piece_index, range=tag,
                                 backend="inductor", cache="load failed") as details:
         path = cache.lookup(name, key)
         if path is None:
             details["cache"] = "missing"
             raise FileNotFoundError(f"{name} is missing or damaged")
-        artifact, details["cache"] = backend.load_cached_piece(name, key, path)
+        with waiting(logger, f"Loading {what} from the compile cache", announce=False,
+                     done=f"Loaded {what} from the compile cache"):
+            artifact, details["cache"] = backend.load_cached_piece(name, key, path)
     cache.record(name, hit=True)
     backend.share(key, piece_index, artifact)
     return artifact

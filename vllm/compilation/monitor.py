@@ -23,6 +23,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from vllm.logger import init_logger
+from vllm.utils.progress import waiting
+
+logger = init_logger(__name__)
+
 # The phases the engine reports, in start-up order (others may be added freely).
 STANDARD_PHASES = (
     "config resolution",
@@ -51,11 +56,14 @@ class StartupTimer:
     @contextlib.contextmanager
     def phase(self, name: str, **info: Any) -> Iterator[dict[str, Any]]:
         """Time the block as one event of phase `name`; the yielded dict may be filled with
-        details (e.g. `info["cache"] = "hit"`)."""
+        details (e.g. `info["cache"] = "hit"`). A block that lasts over 2 s logs "Start-up
+        (<name>): 7.0 s so far" every few seconds, unless a wait inside it (a compile, a
+        kernel build) reports instead (vllm/utils/progress.py)."""
         details = dict(info)
         start = time.perf_counter()
         try:
-            yield details
+            with waiting(logger, f"Start-up ({name})", announce=False):
+                yield details
         finally:
             self.record(name, time.perf_counter() - start, **details)
 

@@ -108,7 +108,9 @@ def _build_and_load(name: str, source_path: str, source_text: str | None) -> boo
 
         start = time.perf_counter()
         # Tens of seconds on a busy machine (the first start on it): say so while it lasts.
-        with waiting(logger, f"Building the CPU kernel {name} (once per machine)",
+        with waiting(logger, f"Building the CPU kernel {name}",
+                     announce=f"Building the CPU kernel {name} (once per machine: up to a "
+                     "minute or two on a busy one) ...",
                      done=f"Built the CPU kernel {name} into {directory}"):
             load(name=ext_name, sources=[path], extra_cflags=CFLAGS,
                  extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,

@@ -5,11 +5,14 @@ a download): the wait logs when it starts, then every few seconds while it lasts
                  done="Built the CPU kernel small_m_linear"):
         build()
 
-logs "Building the CPU kernel small_m_linear ...", then, from `DELAY_S` after the start and
-every `INTERVAL_S` while the block runs, "Building the CPU kernel small_m_linear (started 7 s
-ago)", and at a normal exit "Built the CPU kernel small_m_linear in 9.3 s". With
+logs "Building the CPU kernel small_m_linear ..." (or the `announce` text), then, from `DELAY_S`
+after the start and every `INTERVAL_S` while the block runs, "Building the CPU kernel
+small_m_linear: 7.0 s so far", and at a normal exit "Built the CPU kernel small_m_linear in
+9.3 s". With
 `announce=False` nothing is logged for a wait that ends within `DELAY_S` (a cache hit); a wait
-that outlasted it still logs its `done` line, so every progress line gets its end.
+that outlasted it still logs its `done` line, so every progress line gets its end. While waits
+are nested in one thread only the innermost logs progress lines (a start-up phase stays quiet
+while a compile inside it reports).
 
 One daemon thread per process (`Watcher`, started at the first wait) wakes up only when a wait
 is due a line: a wait costs a lock and a list append, and a fast one never wakes the thread.
@@ -45,6 +48,7 @@ class Wait:
         inside the block."""
         self.ticks = 0
         """Progress lines logged so far (not counting the start and done lines)."""
+        self.thread = threading.get_ident()
 
 
 class Watcher:
@@ -103,16 +107,21 @@ class Watcher:
             due = []
             with self._cond:
                 now = self.clock()
-                for wait in self._waits:
+                inner: set[int] = set()  # threads whose innermost wait was seen (from the end)
+                for wait in reversed(self._waits):
+                    innermost = wait.thread not in inner
+                    inner.add(wait.thread)
                     if wait.next_due <= now:
                         # A late wake-up (a busy machine) logs one line, not the missed ones.
                         while wait.next_due <= now:
                             wait.next_due += self.interval
-                        wait.ticks += 1
-                        due.append((wait, now - wait.started))
+                        if innermost:  # a wait nested in it says more (the compile in a phase)
+                            wait.ticks += 1
+                            due.append((wait, now - wait.started))
+                due.reverse()
                 next_due = min((w.next_due for w in self._waits), default=None)
             for wait, elapsed in due:
-                wait.log.info("%s (started %.1f s ago)", wait.what, elapsed)
+                wait.log.info("%s: %.1f s so far", wait.what, elapsed)
         return next_due
 
     def _run(self) -> None:
@@ -132,10 +141,11 @@ class waiting:
     """Context manager: `log`'s progress lines for the wait in the block (module docstring).
 
     `log`: a logger (or vllm's logger adapter) the lines go to at INFO; when INFO is off for
-    it, the block runs with no bookkeeping at all. Yields the `Wait` (or None then)."""
+    it, the block runs with no bookkeeping at all. `announce`: whether to log a line at the
+    start ("<what> ..."), or that line's text. Yields the `Wait` (or None when INFO is off)."""
 
     def __init__(self, log: Any, what: str, *, done: str | None = None,
-                 announce: bool = True, watcher: Watcher | None = None) -> None:
+                 announce: bool | str = True, watcher: Watcher | None = None) -> None:
         self.log, self.what, self.done, self.announce = log, what, done, announce
         self.watcher = watcher
         self.wait: Wait | None = None
@@ -143,7 +153,9 @@ class waiting:
     def __enter__(self) -> Wait | None:
         if not self.log.isEnabledFor(logging.INFO):
             return None
-        if self.announce:
+        if isinstance(self.announce, str):
+            self.log.info("%s", self.announce, stacklevel=2)
+        elif self.announce:
             self.log.info("%s ...", self.what, stacklevel=2)
         self.watcher = self.watcher or get_watcher()
         self.wait = self.watcher.add(self.log, self.what, self.done)
