@@ -188,8 +188,8 @@ def test_a_cpu_kernel_build_logs_while_it_lasts(tmp_path, monkeypatch, clock, wa
     messages = [r.getMessage() for r in caplog.records if r.name == "vllm.utils.cpu_kernels"]
     what = "Building the CPU kernel progress_test_kernel"
     assert messages[0].startswith(f"{what} (once per machine")
-    assert messages[1:4] == [f"{what}: 2.0 s so far",
-                            f"{what}: 7.0 s so far", f"{what}: 12.0 s so far"]
+    assert messages[1:4] == [f"{what}: 2.0 s so far", f"{what}: 7.0 s so far",
+                             f"{what}: 12.0 s so far"]
     assert messages[4].startswith("Built the CPU kernel progress_test_kernel into ")
     assert messages[4].endswith(" in 12.0 s") and len(messages) == 5
 
