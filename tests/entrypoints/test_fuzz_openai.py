@@ -1,14 +1,15 @@
 """Fuzzing `vllm serve` over its request schemas: no request may get a 5xx or stop the engine.
 
-Bodies for /v1/completions, /v1/chat/completions, /tokenize and /detokenize are drawn from the
-request models' JSON schemas (`model_json_schema()`, through hypothesis-jsonschema, with
-unknown fields added): as pydantic writes them, and tightened to what a real client sends (so
-that many requests reach the engine). Most bodies are then made hostile: a value at any depth
-replaced by a huge or negative number, 1e308, an Infinity/NaN literal, a lone surrogate, a
-wrong type, deep nesting, an over-long integer literal, an empty or huge array; unknown fields
-added; fields dropped; or the raw text corrupted (truncated, invalid UTF-8, not an object, another
-content type). Every body keeps a small output budget (max_tokens / max_completion_tokens
-<= 4, n <= 4, at most 8 prompts) so that an accepted request finishes fast.
+Bodies for /v1/completions, /v1/chat/completions, /v1/responses, /tokenize and /detokenize are
+drawn from the request models' JSON schemas (`model_json_schema()`, through
+hypothesis-jsonschema, with unknown fields added): as pydantic writes them, and tightened to
+what a real client sends (so that many requests reach the engine). Most bodies are then made
+hostile: a value at any depth replaced by a huge or negative number, 1e308, an Infinity/NaN
+literal, a lone surrogate, a wrong type, deep nesting, an over-long integer literal, an empty
+or huge array; unknown fields added; fields dropped; or the raw text corrupted (truncated,
+invalid UTF-8, not an object, another content type). Every body keeps a small output budget
+(max_tokens / max_completion_tokens / max_output_tokens <= 4, n <= 4, at most 8 prompts) so
+that an accepted request finishes fast.
 
 One real server (`vllm serve demo -O0`) for the module. Each test sends a fixed,
 derandomized number of requests and collects every violation instead of stopping at the first:
@@ -40,6 +41,7 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 
@@ -203,9 +205,32 @@ _PATCHES = {
         "model": _nullable({"const": "demo"}),
         "tokens": {"type": "array", "items": _TOKEN, "maxItems": 16},
     },
+    ResponsesRequest: {
+        **{name: _SAMPLING_FIELDS[name] for name in (
+            "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop")},
+        "input": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object", "required": ["role", "content"], "properties": {
+                "type": {"const": "message"},
+                "role": {"enum": ["system", "developer", "user", "assistant"]},
+                "content": {"anyOf": [_TEXT, {"type": "array", "maxItems": 2, "items": {
+                    "type": "object", "required": ["type", "text"], "properties": {
+                        "type": {"enum": ["input_text", "output_text"]},
+                        "text": _TEXT}}}]}}}}]},
+        "instructions": _nullable(_TEXT),
+        "max_output_tokens": _nullable(_int(1, MAX_OUT)),
+        "metadata": _nullable({"type": "object", "maxProperties": 2,
+                               "additionalProperties": _TEXT}),
+        "previous_response_id": {"type": "null"},
+        "background": _nullable({"const": False}),
+        "tools": {"type": "null"},
+        "tool_choice": _nullable({"enum": ["auto", "none"]}),
+        "text": _nullable({"type": "object", "properties": {"format": {
+            "type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}}}),
+    },
 }
 _MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+           "/detokenize": DetokenizeRequest}
 
 
 def schemas(route: str) -> list[dict]:
@@ -360,6 +385,7 @@ def _bounded(route: str, body: Any) -> Any:
         return body
     for name, cap, refused_above in (("max_tokens", MAX_OUT, 1024),
                                      ("max_completion_tokens", MAX_OUT, 1024),
+                                     ("max_output_tokens", MAX_OUT, 1024),
                                      ("n", MAX_N, 128)):
         value = body.get(name)
         if type(value) is int and cap < value <= refused_above:
@@ -373,6 +399,8 @@ def _bounded(route: str, body: Any) -> Any:
     elif route == "/v1/chat/completions":
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_OUT
+    elif route == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_OUT
     return body
 
 
@@ -597,10 +625,10 @@ def live_server(tmp_path_factory):
     server.proc.stop()
 
 
-# Requests per route, 300 in all (a few repeats are not sent): about 20 s after start-up on a
+# Requests per route, 310 in all (a few repeats are not sent): about 20 s after start-up on a
 # loaded two-core machine (most are refused in milliseconds; an accepted one runs <= 5 steps).
-ROUTE_EXAMPLES = [("/v1/completions", 110), ("/v1/chat/completions", 100), ("/tokenize", 50),
-                  ("/detokenize", 40)]
+ROUTE_EXAMPLES = [("/v1/completions", 100), ("/v1/chat/completions", 90),
+                  ("/v1/responses", 50), ("/tokenize", 40), ("/detokenize", 30)]
 _USER = [{"role": "user", "content": "hi"}]
 # The malformed inputs issue 18 lists, sent after the generated ones (one of them stopped the
 # engine for good, which would end the run early).
@@ -621,6 +649,13 @@ KNOWN = {
             "name": "f"}}], "tool_choice": {"type": "function", "function": "f"}},
         {"messages": _deep(6000, "obj"), "max_tokens": 4},
         {"messages": _USER, "max_tokens": 4, "temperature": 0.7, "top_k": 2**63},
+    ],
+    "/v1/responses": [
+        {"input": "\ud800", "max_output_tokens": 4},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a\udfffb"}]}],
+         "max_output_tokens": 4},
+        {"input": _deep(6000), "max_output_tokens": 4},
+        {"input": "hi", "max_output_tokens": 4, "temperature": 0.7, "top_k": 2**63},
     ],
     "/tokenize": [
         {"prompt": "\ud800"},
