@@ -157,3 +157,41 @@ def test_a_non_finite_logit_bias_is_refused_not_clamped():
     assert info.value.param == "logit_bias"
     request = CompletionRequest(prompt="x", logit_bias={"5": 1e9})
     assert request.sampling_kwargs()["logit_bias"] == {"5": 100.0}
+
+
+class _RecordingEngine(FakeEngine):
+    """Records the order of add_request and step calls (engine thread only)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_model_len=128, num_blocks=4096, step_delay=0.005)
+        self.events: list[str] = []
+
+    def add_request(self, request_id, prompt, sampling_params) -> None:
+        self.events.append("add")
+        super().add_request(request_id, prompt, sampling_params)
+
+    def step(self):
+        self.events.append("step")
+        return super().step()
+
+
+def test_a_batch_of_prompts_is_added_between_two_steps_not_one_per_step():
+    fake = _RecordingEngine()
+    engine = AsyncLLM(fake)
+    try:
+        options = FrontendOptions(max_prompts_per_request=64)
+        with serve_in_thread(build_app(engine, [MODEL], options=options)) as base:
+            # a request that keeps the engine stepping meanwhile
+            with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                    "model": MODEL, "prompt": "busy", "max_tokens": 100, "ignore_eos": True,
+                    "stream": True}) as busy:
+                next(busy.iter_lines())
+                fake.events.clear()
+                r = httpx.post(base + "/v1/completions", timeout=60, json={
+                    "model": MODEL, "prompt": [f"p{i}" for i in range(64)], "max_tokens": 2})
+                assert r.status_code == 200 and len(r.json()["choices"]) == 64
+    finally:
+        engine.shutdown()
+    adds = [i for i, e in enumerate(fake.events) if e == "add"]
+    assert len(adds) == 64
+    assert "step" not in fake.events[adds[0]:adds[-1]]  # all taken in one engine iteration

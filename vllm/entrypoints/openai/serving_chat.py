@@ -150,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         base_id = random_id("chatcmpl")
         created = int(time.time())
         role, echo = reply_role_and_echo(request, self.options.response_role)
-        streams = await self.start(base_id, [prompt], params, raw_request)
+        streams = await self.start(base_id, [prompt], params)
         if request.stream:
             return ClosingStream(
                 self._stream(request, streams, prompt, base_id, created, model, role, echo),

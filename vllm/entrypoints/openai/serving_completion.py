@@ -27,7 +27,6 @@ logger = init_logger(__name__)
 
 MAX_N = 128
 _DISCONNECT_POLL_S = 0.25
-_ADDS_PER_DISCONNECT_CHECK = 32
 # Characters per token allowed for in the length bound (normalizers can merge characters).
 _CHARS_PER_TOKEN_SLACK = 4
 _DONE = object()
@@ -204,31 +203,28 @@ class OpenAIServing:
 
     # ---- running requests ----------------------------------------------------------------
     async def start(self, base_id: str, prompts: list[list[int]],
-                    params: Any, raw_request: Any = None) -> list[RequestStream]:
-        """Add one engine request per prompt; if one is refused, or the client disconnects
-        meanwhile (ClientDisconnected), abort those already added."""
-        streams: list[RequestStream] = []
-        try:
-            for i, ids in enumerate(prompts):
-                if (raw_request is not None and i and i % _ADDS_PER_DISCONNECT_CHECK == 0
-                        and await raw_request.is_disconnected()):
-                    logger.info("client disconnected while its %d prompts were added; "
-                                "aborting %s", len(prompts), base_id)
-                    raise ClientDisconnected()
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                if self.options.enable_log_requests:
-                    self.log_request(rid, ids, params)
-                streams.append(await self.engine.add_request(
-                    rid, {"prompt_token_ids": ids}, params))
-        except BaseException as exc:
-            if streams:
-                self.engine.abort_nowait([s.request_id for s in streams])
-            if isinstance(exc, ValueError):
-                raise OpenAIError(str(exc), 400) from None
-            if isinstance(exc, EngineError):
-                raise OpenAIError(str(exc), 500) from None
-            raise
-        return streams
+                    params: Any) -> list[RequestStream]:
+        """Add one engine request per prompt, all in one command batch (the engine thread
+        takes them between two steps, not one per step); if one is refused, abort the
+        others."""
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        if self.options.enable_log_requests:
+            for rid, token_ids in zip(ids, prompts):
+                self.log_request(rid, token_ids, params)
+        results = await asyncio.gather(
+            *(self.engine.add_request(rid, {"prompt_token_ids": token_ids}, params)
+              for rid, token_ids in zip(ids, prompts)), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is None:
+            return streams
+        if streams:
+            self.engine.abort_nowait([s.request_id for s in streams])
+        if isinstance(error, ValueError):
+            raise OpenAIError(str(error), 400) from None
+        if isinstance(error, EngineError):
+            raise OpenAIError(str(error), 500) from None
+        raise error
 
     def truncate(self, ids: list[int], keep: int | None) -> list[int]:
         """The prompt's last `keep` tokens (-1: max_model_len; None: all); 400 naming
@@ -546,7 +542,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(kwargs, max_tokens, request.logprobs)
         base_id = random_id("cmpl")
         created = int(time.time())
-        streams = await self.start(base_id, prompts, params, raw_request)
+        streams = await self.start(base_id, prompts, params)
         if request.stream:
             return ClosingStream(
                 self._stream(request, streams, prompts, texts, base_id, created, model,

@@ -89,7 +89,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                                       None)
         response_id = request.request_id or f"resp_{random_uuid()}"
         shell = self._shell(request, response_id, model, params)
-        streams = await self.start(response_id, [prompt], params, raw_request)
+        streams = await self.start(response_id, [prompt], params)
         if request.stream:
             return ClosingStream(self._stream(streams, shell, len(prompt)), streams, self)
         final = (await self.collect(streams, raw_request))[0]
