@@ -86,3 +86,95 @@ def test_env_switch_off(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_ONEDNN_LINEAR", "0")
     assert not cpu_linear.onednn_linear_enabled()
     monkeypatch.setattr(cpu_linear, "_onednn", None)  # re-read after the test
+
+
+# ---- oneDNN row buckets (issue 18: the server's memory grew with every new batch size) ------
+
+def test_onednn_rows_buckets():
+    """Exact up to 8 rows, then rounded up to a quarter octave: never fewer rows, at most 25%
+    more, monotone, 36 distinct counts for 5..2048 rows; the C++ rule is the same."""
+    buckets = [cpu_linear.onednn_rows(r) for r in range(0, 4097)]
+    assert buckets[:9] == list(range(9))
+    assert [cpu_linear.onednn_rows(r) for r in (9, 10, 11, 17, 33, 65, 129, 1025, 1100)] == \
+        [10, 10, 12, 20, 40, 80, 160, 1280, 1280]
+    assert all(r <= b <= r * 1.25 for r, b in enumerate(buckets))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets[5:2049])) == 36
+    if cpu_linear.small_m_linear_available():
+        assert [torch.ops.vllm_cpu_linear.onednn_rows(r) for r in range(0, 4097)] == buckets
+
+
+@pytest.mark.parametrize("shape", [(9, 72), (11, 72), (17, 72), (33, 72), (100, 72),
+                                   (3, 7, 72), (8, 72), (1280, 72)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_padded_onednn_matches_f_linear(shape, with_bias):
+    """Padded products (and exact ones) keep their rows, shape and values; a row-strided x."""
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 72), torch.randn(40) if with_bias else None
+    x = torch.randn(*shape[:-1], 80)[..., 3:75]
+    got = cpu_linear.dispatch_linear(x, w, b)
+    assert got.shape == (*shape[:-1], 40) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    # The Python route (no C++ build) pads the same way.
+    torch.testing.assert_close(cpu_linear._onednn_padded(x, w, b), F.linear(x, w, b),
+                               atol=1e-4, rtol=1e-4)
+
+
+def _onednn_row_counts(fn) -> set[int]:
+    """Row counts of the products that reached oneDNN while `fn` ran."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn()
+    return {e.input_shapes[0][0] for e in prof.events()
+            if e.name == "mkldnn::_linear_pointwise" and e.input_shapes and e.input_shapes[0]}
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_enabled(), reason="no oneDNN")
+def test_onednn_sees_few_row_counts():
+    """Products of 5..300 rows reach oneDNN with 25 row counts, not 296: oneDNN builds and
+    caches a primitive per count (what made the server's memory grow)."""
+    w = torch.randn(24, 16)
+
+    def run():
+        for rows in range(5, 301):
+            cpu_linear.dispatch_linear(torch.randn(rows, 16), w)
+
+    seen = _onednn_row_counts(run)
+    assert seen == {cpu_linear.onednn_rows(r) for r in range(5, 301)} and len(seen) == 25
+
+
+def _malloc_in_use() -> int | None:
+    """glibc's bytes in use in malloc (all arenas); None without glibc's mallinfo2."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_enabled(), reason="no oneDNN")
+@pytest.mark.skipif(_malloc_in_use() is None, reason="needs glibc's mallinfo2")
+def test_onednn_memory_stops_growing_with_new_row_counts():
+    """Once the row buckets were seen, 200 new row counts add (almost) no native memory.
+    Without the buckets each new count cached ~0.3-0.6 MB in oneDNN (here >= 40 MB); the bound
+    is generous (other threads of the test process may allocate meanwhile)."""
+    w = torch.randn(48, 40)  # a weight shape no other test uses: its cache entries are ours
+    for rows in sorted({cpu_linear.onednn_rows(r) for r in range(101, 301)}):
+        cpu_linear.dispatch_linear(torch.randn(rows, 40), w)  # the buckets, cached
+    x = torch.randn(300, 40)
+    before = _malloc_in_use()
+    for rows in range(101, 301):
+        cpu_linear.dispatch_linear(x[:rows], w)
+    grown = _malloc_in_use() - before
+    assert grown < 8 * 2**20, f"malloc in use grew {grown / 2**20:.1f} MB"

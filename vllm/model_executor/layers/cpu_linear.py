@@ -11,6 +11,12 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   with AVX512-BF16 dot products (1.1-1.5x at 8-16 rows). Since then it reads each thread's
   rows as a single stream, which made one-row products another 1.25-1.4x faster.
 
+oneDNN builds and caches a primitive for every distinct row count (~0.55 MB each with the
+weight shape, in two caches of 1024 entries), so a server whose per-step token counts keep
+changing grew without visible objects (issue 18: ~25 MB per 1000 chat requests). Its products
+are padded to a few row counts (`onednn_rows`: 4 per octave) so the caches stop growing once
+the row buckets a workload uses have been seen.
+
 Other products (bfloat16 with more rows, other dtypes, other devices) keep `F.linear`, and so
 does traced code (torch.compile: Inductor lowers `F.linear` itself). The choice is made in C++
 (`vllm_cpu_linear::linear`, csrc/cpu_small_m_linear.cpp: choosing in Python cost ~5 us a call),
@@ -91,6 +97,32 @@ def linear_route(x: torch.Tensor, weight: torch.Tensor,
     return "onednn" if x.device.type == "cpu" and _onednn_without_cpp(x, weight) else "aten"
 
 
+def onednn_rows(rows: int) -> int:
+    """The row count a product of `rows` rows is computed with in oneDNN: `rows` up to 8, then
+    rounded up to a quarter of its octave (9..16 -> 10, 12, 14, 16; 17..32 -> 20 ... 32; ...),
+    so at most 25% more rows and ~36 distinct counts up to 2048 (csrc/cpu_small_m_linear.cpp's
+    `onednn_rows`, which the C++ dispatcher uses, is the same rule)."""
+    if rows <= 8:
+        return rows
+    octave = 1 << ((rows - 1).bit_length() - 1)  # rows in (octave, 2 * octave]
+    step = octave // 4
+    return -(-rows // step) * step
+
+
+def _onednn_padded(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product with the rows padded to `onednn_rows` (zero rows, dropped after)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    padded = onednn_rows(rows)
+    if padded != rows:
+        xp = x2.new_zeros(padded, x2.shape[1])
+        xp[:rows] = x2
+        x2 = xp
+    out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], weight.shape[0])
+
+
 def _onednn_without_cpp(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Without the C++ build: float32 products go to oneDNN (the only route left)."""
     return x.dtype == torch.float32 and weight.dtype == x.dtype and onednn_linear_enabled()
@@ -106,7 +138,7 @@ def dispatch_linear(x: torch.Tensor, weight: torch.Tensor,
     if small_m_linear_available():
         return torch.ops.vllm_cpu_linear.linear(x, weight, bias)
     if _onednn_without_cpp(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _onednn_padded(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -6,6 +6,7 @@
 //   torch.ops.vllm_cpu_linear.linear(x [..., K], weight [N, K], bias) -> [..., N]
 //       the dispatcher of every CPU linear (end of file): small-M kernel, prepacked oneDNN
 //       weight, oneDNN, aten::linear; `configure`, `set_packed`/`drop_packed`, `linear_route`
+//   torch.ops.vllm_cpu_linear.onednn_rows(rows) -> the row count oneDNN computes with
 //
 // Decode-shaped products (M = 1..16) are bound by reading the weight. BLAS libraries reach
 // only about half of the memory bandwidth there on the dev machines (bfloat16: ~15 of ~30 GB/s
@@ -409,8 +410,24 @@ Route choose(const at::Tensor& x, const at::Tensor& weight,
   return g_policy.onednn ? Route::kOneDnn : Route::kAten;
 }
 
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias) {
+// oneDNN builds a primitive for every distinct row count of a product and keeps it in two
+// caches of 1024 entries each (ideep's primitive descriptors and oneDNN's primitives), ~0.55 MB
+// per row count and weight shape together (measured on the demo model's products). A server's
+// token counts per step take hundreds of values, so its memory grew with every new one: ~25 MB
+// per 1000 chat requests, towards ~1 GB with both caches full, then churn (issue 18). Rows are
+// therefore padded up to a bucket, 4 per octave (at most 25% more rows, ~8% on average over an
+// octave; products of 5..8 rows stay exact): ~36 row counts up to 2048 rows, so a model's
+// oneDNN caches stop growing once the buckets its batches use have been seen.
+int64_t onednn_rows(int64_t rows) {
+  if (rows <= 8) return rows;
+  int64_t octave = 8;  // rows in (octave, 2 * octave]
+  while (octave * 2 < rows) octave *= 2;
+  const int64_t step = octave / 4;
+  return (rows + step - 1) / step * step;
+}
+
+at::Tensor onednn_call(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack;
@@ -423,6 +440,19 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight,
   stack.emplace_back(std::string(""));
   op.callBoxed(&stack);
   return stack[0].toTensor();
+}
+
+// oneDNN on x [M, K] (rows dense) with M padded to onednn_rows(M) by zero rows; the result is
+// the leading M rows of the padded product (a dense view).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0);
+  const int64_t padded = onednn_rows(rows);
+  if (padded == rows) return onednn_call(x, weight, bias);
+  at::Tensor xp = at::empty({padded, x.size(1)}, x.options());
+  xp.narrow(0, 0, rows).copy_(x);
+  xp.narrow(0, rows, padded - rows).zero_();
+  return onednn_call(xp, weight, bias).narrow(0, 0, rows);
 }
 
 std::vector<int64_t> out_sizes(const at::Tensor& x, const at::Tensor& weight) {
@@ -450,7 +480,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
       return onednn_linear(x2, packed, bias).view(out_sizes(x, weight));
     }
     case Route::kOneDnn:
-      return onednn_linear(x, weight, bias);
+      return onednn_linear(as_rows(x), weight, bias).view(out_sizes(x, weight));
     default:
       return at::linear(x, weight, bias);
   }
@@ -502,6 +532,7 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.impl("linear", c10::DispatchKey::CPU, &linear);
   m.impl("linear", c10::DispatchKey::Meta, &linear_meta);
   m.def("linear_route(Tensor x, Tensor weight, Tensor? bias=None) -> str", &linear_route);
+  m.def("onednn_rows(int rows) -> int", &onednn_rows);
   m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn) -> ()", &configure);
   m.def("set_packed(Tensor weight, Tensor packed) -> int", &set_packed);
   m.def("drop_packed(int key) -> ()", &drop_packed);
