@@ -13,6 +13,7 @@ from test_backend import build, inputs, make_config
 from vllm.compilation.counter import compilation_counter
 
 LOGGER = "vllm.compilation.backends"
+HIDDEN = 12
 
 
 @pytest.fixture(autouse=True)
@@ -82,8 +83,11 @@ def test_inductor_compiles_log_and_cache_hits_stay_quiet(tmp_path, monkeypatch, 
     caplog.set_level(logging.INFO, logger=LOGGER)
     config = make_config(backend="inductor", compile_ranges_endpoints=[])
     ids, pos = inputs(8)
+    # (hidden=12: kernels of their own. Inductor reuses a C++ kernel module already loaded
+    # in the process by name, so a toy that shares kernels with another test's would leave
+    # that test's cache without them: inductor_light then cannot load them without Inductor.)
     with torch.no_grad():
-        model = build(config, num_attn=3)
+        model = build(config, num_attn=3, hidden=HIDDEN)
         expected = model(ids, pos)
     lines = piece_lines(caplog)
     starts = [line for line in lines if line.startswith("Compiling")]
@@ -96,6 +100,6 @@ def test_inductor_compiles_log_and_cache_hits_stay_quiet(tmp_path, monkeypatch, 
     caplog.clear()
     torch._dynamo.reset()
     with torch.no_grad(), compilation_counter.expect(num_inductor_compiles=0):
-        again = build(config, num_attn=3)
+        again = build(config, num_attn=3, hidden=HIDDEN)
         torch.testing.assert_close(again(ids, pos), expected)
     assert piece_lines(caplog) == []
