@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+
+from bench_serve_levels import stop_server  # (benchmarks/ is the script's directory)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -78,15 +79,6 @@ def start_server(args: argparse.Namespace, port: int, log_path: str) -> subproce
     proc.kill()
     raise RuntimeError(f"the server was not healthy after {args.startup_timeout} s; "
                        f"see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
 
 
 def process_tree_rss_kb(pid: int) -> int:
