@@ -21,7 +21,16 @@ import json
 import time
 from typing import Any
 
-from starlette._utils import get_route_path
+try:  # the router's own rule (a private module: it may move)
+    from starlette._utils import get_route_path
+except ImportError:  # pragma: no cover - older or newer Starlette
+    def get_route_path(scope: dict) -> str:
+        """The path without scope["root_path"] when it starts with it (as the router)."""
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root) and (len(path) == len(root)
+                                               or path[len(root)] == "/"):
+            return path[len(root):]
+        return path
 
 from vllm.entrypoints.openai.protocol import error_body
 
