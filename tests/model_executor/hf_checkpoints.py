@@ -134,8 +134,97 @@ def make_mistral(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
                  tokenizer)
 
 
+def _make_family(config_name: str, model_name: str, defaults: dict[str, Any], path: Any,
+                 seed: int, max_shard_size: str | None, tokenizer: bool,
+                 overrides: dict[str, Any], base: dict[str, Any] | None = None) -> str:
+    """A checkpoint of transformers' `model_name` with `config_name(**settings)`: TINY (or
+    `base`), then the family's `defaults`, then the caller's `overrides`."""
+    import transformers
+
+    settings = dict(TINY if base is None else base)
+    settings.update(defaults)
+    settings.update(overrides)
+    config = getattr(transformers, config_name)(**settings)
+    return _save(getattr(transformers, model_name), config, path, seed, max_shard_size,
+                 tokenizer)
+
+
+# GPT-2 and OPT name their sizes differently from TINY; the same tiny shapes.
+_GPT2_TINY = {"vocab_size": 384, "n_positions": 512, "n_embd": 64, "n_layer": 2, "n_head": 4,
+              "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2}
+_OPT_TINY = {"vocab_size": 384, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "max_position_embeddings": 512, "init_std": 0.1,
+             "word_embed_proj_dim": 64, "pad_token_id": 0, "bos_token_id": 1,
+             "eos_token_id": 2}
+
+
+def make_gpt2(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+              tokenizer: bool = True, **overrides: Any) -> str:
+    return _make_family("GPT2Config", "GPT2LMHeadModel", {}, path, seed, max_shard_size,
+                        tokenizer, overrides, base=_GPT2_TINY)
+
+
+def make_opt(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+             tokenizer: bool = True, **overrides: Any) -> str:
+    return _make_family("OPTConfig", "OPTForCausalLM", {}, path, seed, max_shard_size,
+                        tokenizer, overrides, base=_OPT_TINY)
+
+
+def make_gemma(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+               tokenizer: bool = True, **overrides: Any) -> str:
+    return _make_family("GemmaConfig", "GemmaForCausalLM",
+                        {"head_dim": 16, "hidden_activation": "gelu_pytorch_tanh"}, path, seed,
+                        max_shard_size, tokenizer, overrides)
+
+
+def make_gemma2(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+                tokenizer: bool = True, **overrides: Any) -> str:
+    # A window shorter than the tests' prompts, both soft-caps low enough to bite.
+    return _make_family("Gemma2Config", "Gemma2ForCausalLM",
+                        {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 5.0,
+                         "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 24},
+                        path, seed, max_shard_size, tokenizer, overrides)
+
+
+def make_gemma3(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+                tokenizer: bool = True, **overrides: Any) -> str:
+    # sliding_window_pattern 2: layer 0 local (window 8, local rope base), layer 1 global.
+    return _make_family("Gemma3TextConfig", "Gemma3ForCausalLM",
+                        {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2,
+                         "query_pre_attn_scalar": 24, "rope_local_base_freq": 10000.0,
+                         "rope_theta": 1000000.0},
+                        path, seed, max_shard_size, tokenizer, overrides)
+
+
+def make_phi3(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+              tokenizer: bool = True, **overrides: Any) -> str:
+    return _make_family("Phi3Config", "Phi3ForCausalLM",
+                        {"pad_token_id": 0, "original_max_position_embeddings": 512}, path,
+                        seed, max_shard_size, tokenizer, overrides)
+
+
+def make_qwen2_moe(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+                   tokenizer: bool = True, **overrides: Any) -> str:
+    return _make_family("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1,
+                         "norm_topk_prob": False},
+                        path, seed, max_shard_size, tokenizer, overrides)
+
+
+def make_qwen3_moe(path: Any, *, seed: int = 0, max_shard_size: str | None = None,
+                   tokenizer: bool = True, **overrides: Any) -> str:
+    return _make_family("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                         "norm_topk_prob": True},
+                        path, seed, max_shard_size, tokenizer, overrides)
+
+
 MAKERS = {"llama": make_llama, "qwen2": make_qwen2, "qwen3": make_qwen3,
-          "mixtral": make_mixtral, "mistral": make_mistral}
+          "mixtral": make_mixtral, "mistral": make_mistral, "gpt2": make_gpt2, "opt": make_opt,
+          "gemma": make_gemma, "gemma2": make_gemma2, "gemma3": make_gemma3, "phi3": make_phi3,
+          "qwen2_moe": make_qwen2_moe, "qwen3_moe": make_qwen3_moe}
 
 
 def lazy_checkpoints(root: Any, overrides: dict[str, dict[str, Any]] | None = None
