@@ -133,3 +133,36 @@ def test_rope_cache_stays_float32_and_rotation_is_norm_preserving():
     torch.testing.assert_close(q_rot.view(5, 3, 16).norm(dim=-1), q.view(5, 3, 16).norm(dim=-1))
     with pytest.raises(ValueError, match="not supported"):
         get_rope(16, 16, 64, 10000.0, {"rope_type": "longrope", "factor": 2.0})
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu",
+                                  "silu"])
+def test_plain_activations_match_transformers(name):
+    from transformers.activations import ACT2FN
+
+    from vllm.model_executor.layers.activation import get_act_fn
+
+    x = torch.randn(8, 32) * 3
+    torch.testing.assert_close(get_act_fn(name)(x), ACT2FN[name](x), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_pytorch_tanh"])
+def test_gated_activations_match_transformers(name):
+    from transformers.activations import ACT2FN
+
+    from vllm.model_executor.layers.activation import get_act_and_mul_fn
+
+    x = torch.randn(8, 64) * 3
+    expected = ACT2FN[name](x[:, :32]) * x[:, 32:]
+    op = get_act_and_mul_fn(name)
+    torch.testing.assert_close(op.forward_native(x), expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(op.forward_cpu(x), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_unknown_activation_names_the_allowed_ones():
+    from vllm.model_executor.layers.activation import get_act_and_mul_fn, get_act_fn
+
+    with pytest.raises(ValueError, match="'softplus'.*supported: relu"):
+        get_act_fn("softplus")
+    with pytest.raises(ValueError, match="'relu'.*supported: silu"):
+        get_act_and_mul_fn("relu")
