@@ -4,6 +4,13 @@
 (gate rows first) and the down projections in `w2_weight [E, H, I]`, with I split over
 tensor-parallel ranks. `forward(hidden [T, H], router_logits [T, E]) -> [T, H]`.
 
+Checkpoints store experts either one tensor per expert and projection (Mixtral's
+`experts.{e}.w1.weight`, Qwen-MoE's `experts.{e}.gate_proj.weight`: see
+`make_expert_params_mapping`) or, as transformers 5 holds them in memory (and saves them with
+`save_original_format=False`), stacked over the experts: `experts.gate_up_proj [E, 2*I, H]`
+(gate rows first) and `experts.down_proj [E, H, I]` (see
+`make_stacked_expert_params_mapping`; loaded with `expert_id=None`).
+
 The expert computation is the custom op `vllm::fused_moe_experts`, opaque to Dynamo, so the
 model's forward stays free of data-dependent shapes: inside it, tokens are sorted by expert
 and each expert multiplies only its own tokens (one host sync for the per-expert counts, cheap
@@ -111,6 +118,7 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
         self.renormalize = renormalize
         self.reduce_results = reduce_results
         self.prefix = prefix
@@ -145,8 +153,48 @@ class FusedMoE(nn.Module):
                 mapping.append((param, f"experts.{expert}.{ckpt_name}.weight", expert, shard_id))
         return mapping
 
+    @staticmethod
+    def make_stacked_expert_params_mapping(ckpt_gate_up_proj_name: str = "gate_up_proj",
+                                           ckpt_down_proj_name: str = "down_proj",
+                                           ) -> list[tuple[str, str, str]]:
+        """(parameter name part, checkpoint name suffix, shard id) for checkpoints that stack
+        every expert in one tensor per projection: ("experts.w13_weight",
+        "experts.gate_up_proj", "w13") and ("experts.w2_weight", "experts.down_proj", "w2").
+        Match the suffix with `endswith` (a per-expert name never ends so)."""
+        return [("experts.w13_weight", f"experts.{ckpt_gate_up_proj_name}", "w13"),
+                ("experts.w2_weight", f"experts.{ckpt_down_proj_name}", "w2")]
+
+    def _load_stacked(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      weight_name: str, shard_id: str) -> None:
+        """Every expert at once: w13 [E, 2*I, H] (gate rows, then up rows) or w2 [E, H, I]."""
+        inter, full = self.intermediate_size_per_partition, self.intermediate_size
+        start = self.tp_rank * inter
+        if shard_id == "w13":
+            expected = (self.num_experts, 2 * full, self.hidden_size)
+        elif shard_id == "w2":
+            expected = (self.num_experts, self.hidden_size, full)
+        else:
+            raise ValueError(f"{weight_name}: a stacked MoE tensor's shard id must be w13 or "
+                             f"w2, got {shard_id!r}")
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"{weight_name}: stacked expert tensor of shape "
+                             f"{tuple(loaded_weight.shape)} does not fit {expected} "
+                             f"(num_experts, ...)")
+        if shard_id == "w13":
+            copy_checked(param.data.narrow(1, 0, inter), loaded_weight.narrow(1, start, inter))
+            copy_checked(param.data.narrow(1, inter, inter),
+                         loaded_weight.narrow(1, full + start, inter))
+        else:
+            copy_checked(param.data, loaded_weight.narrow(2, start, inter))
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      weight_name: str = "", shard_id: str = "", expert_id: int = -1) -> None:
+                      weight_name: str = "", shard_id: str = "",
+                      expert_id: int | None = -1) -> None:
+        """One expert's projection (`expert_id` in [0, E); shard id w1 gate, w3 up, w2 down)
+        or, with `expert_id=None`, every expert stacked (shard id w13 or w2)."""
+        if expert_id is None:
+            self._load_stacked(param, loaded_weight, weight_name, shard_id)
+            return
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"{weight_name}: expert id {expert_id} is out of range "
                              f"(num_experts={self.num_experts})")
