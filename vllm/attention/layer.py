@@ -7,7 +7,7 @@ attention metadata and the layer (with its KV cache) from the forward context.
 import torch
 import torch.nn as nn
 
-from vllm.attention.backends.abstract import check_sliding_window
+from vllm.attention.backends.abstract import check_logits_soft_cap, check_sliding_window
 from vllm.compilation.split import register_eager_impl
 from vllm.forward_context import get_forward_context
 
@@ -23,12 +23,16 @@ class Attention(nn.Module):
     `sliding_window`: None (full causal attention) or W, this layer's sliding window: the query
     at position p attends to the keys at positions p - W < j <= p (transformers' semantics).
     The KV cache still keeps every token; the window only limits what attention reads.
+    `logits_soft_cap`: None or c > 0: each scaled score s = scale * q.k becomes
+    c * tanh(s / c) before the causal/window mask and the softmax (Gemma 2's
+    `attn_logit_softcapping`).
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float,
                  num_kv_heads: int | None = None, cache_config=None, quant_config=None,
                  prefix: str = "", attn_backend=None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         del quant_config
         if not prefix:
@@ -41,6 +45,8 @@ class Attention(nn.Module):
         self.scale = float(scale)
         self.sliding_window = check_sliding_window(sliding_window,
                                                    f"sliding_window of {prefix!r}")
+        self.logits_soft_cap = check_logits_soft_cap(logits_soft_cap,
+                                                     f"logits_soft_cap of {prefix!r}")
         from vllm.config import get_current_vllm_config
 
         config = get_current_vllm_config()
@@ -52,15 +58,22 @@ class Attention(nn.Module):
 
             attn_backend = get_attn_backend(head_size, torch.get_default_dtype(),
                                             block_size=self.block_size,
-                                            sliding_window=self.sliding_window)
-        elif self.sliding_window is not None and not attn_backend.supports_sliding_window:
-            raise ValueError(f"attention backend {attn_backend.get_name()} does not support "
-                             f"sliding-window attention (layer {prefix!r}, "
-                             f"sliding_window={self.sliding_window})")
+                                            sliding_window=self.sliding_window,
+                                            logits_soft_cap=self.logits_soft_cap)
+        else:
+            from vllm.attention.selector import missing_features
+
+            missing = missing_features(attn_backend, self.sliding_window, self.logits_soft_cap)
+            if missing:
+                needs = " or ".join(f"{feature} (layer {prefix!r}, {value})"
+                                    for feature, value, _ in missing)
+                raise ValueError(f"attention backend {attn_backend.get_name()} does not "
+                                 f"support {needs}")
         self.attn_backend = attn_backend
         self.impl = attn_backend.get_impl_cls()(self.num_heads, head_size, self.scale,
                                                 self.num_kv_heads,
-                                                sliding_window=self.sliding_window)
+                                                sliding_window=self.sliding_window,
+                                                logits_soft_cap=self.logits_soft_cap)
         # A plain attribute (not a buffer): the engine binds the real cache with
         # bind_kv_cache(); built on the CPU so meta-device construction leaves it usable.
         self.kv_cache = torch.empty(0, device="cpu")
@@ -81,6 +94,7 @@ class Attention(nn.Module):
         return (f"layer_name={self.layer_name!r}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
                 f"sliding_window={self.sliding_window}, "
+                f"logits_soft_cap={self.logits_soft_cap}, "
                 f"backend={self.attn_backend.get_name()}")
 
 

@@ -26,7 +26,8 @@ def registered_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-# The backend every platform can run that implements every feature (sliding windows).
+# The backend every platform can run that implements every feature (sliding windows, logits
+# soft-capping).
 _FALLBACK = "TORCH_SDPA"
 
 
@@ -57,23 +58,41 @@ def default_backend() -> type[AttentionBackend]:
     return _load(default_backend_name())
 
 
+def missing_features(backend: type[AttentionBackend], sliding_window: int | None,
+                      logits_soft_cap: float | None) -> list[tuple[str, str, str]]:
+    """The features a layer needs that `backend` would ignore: (feature, the layer's value,
+    what such layers have) for messages."""
+    missing = []
+    if sliding_window is not None and not backend.supports_sliding_window:
+        missing.append(("sliding-window attention", f"sliding_window={sliding_window}",
+                        "a window"))
+    if logits_soft_cap is not None and not backend.supports_logits_soft_cap:
+        missing.append(("logits soft-capping", f"logits_soft_cap={logits_soft_cap}",
+                        "a soft cap"))
+    return missing
+
+
 def get_attn_backend(head_size: int, dtype: torch.dtype | None = None,
                      kv_cache_dtype: str | None = None, block_size: int | None = None,
-                     backend_name: str | None = None,
-                     sliding_window: int | None = None) -> type[AttentionBackend]:
+                     backend_name: str | None = None, sliding_window: int | None = None,
+                     logits_soft_cap: float | None = None) -> type[AttentionBackend]:
     """The backend class for these shapes: `backend_name`, else `default_backend_name()`.
 
-    A layer with a `sliding_window` never gets a backend that would ignore it: a default choice
-    that cannot apply it falls back to TORCH_SDPA (logged); a named one is an error."""
+    A layer with a `sliding_window` or a `logits_soft_cap` never gets a backend that would
+    ignore it: a default choice that cannot apply it falls back to TORCH_SDPA (logged); a
+    named one is an error."""
     del dtype, kv_cache_dtype, block_size
     name = (backend_name or default_backend_name()).upper()
     backend = _load(name)
-    if sliding_window is not None and not backend.supports_sliding_window:
+    missing = missing_features(backend, sliding_window, logits_soft_cap)
+    if missing:
         if backend_name is not None:
-            raise ValueError(f"attention backend {name} does not support sliding-window "
-                             f"attention (sliding_window={sliding_window}); use {_FALLBACK}")
-        logger.info_once("attention backend %s does not support sliding-window attention: "
-                         "layers with a window use %s", name, _FALLBACK)
+            needs = " or ".join(f"{feature} ({value})" for feature, value, _ in missing)
+            raise ValueError(f"attention backend {name} does not support {needs}; use "
+                             f"{_FALLBACK}")
+        for feature, _, having in missing:
+            logger.info_once("attention backend %s does not support %s: layers with %s use "
+                             "%s", name, feature, having, _FALLBACK)
         name, backend = _FALLBACK, _load(_FALLBACK)
     reason = backend.unavailable_reason()
     if reason is not None:

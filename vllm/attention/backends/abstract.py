@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -17,6 +19,19 @@ def check_sliding_window(window: Any, what: str = "sliding_window") -> int | Non
         raise ValueError(f"{what} must be a positive integer (the number of keys a query sees, "
                          f"itself included) or None for full attention; got {window!r}")
     return window
+
+
+def check_logits_soft_cap(cap: Any, what: str = "logits_soft_cap") -> float | None:
+    """`cap` as a positive finite float, or None (no soft-capping); ValueError naming a bad
+    value. A cap c maps each scaled score s to c * tanh(s / c) before the mask and softmax
+    (Gemma 2's `attn_logit_softcapping`)."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not math.isfinite(cap) \
+            or cap <= 0:
+        raise ValueError(f"{what} must be a positive finite number (scores become "
+                         f"cap * tanh(score / cap)) or None for no soft-capping; got {cap!r}")
+    return float(cap)
 
 
 class AttentionCGSupport(enum.Enum):
@@ -39,7 +54,7 @@ class AttentionImpl(ABC):
 
     def __init__(self, num_heads: int, head_size: int, scale: float,
                  num_kv_heads: int | None = None, sliding_window: int | None = None,
-                 **kwargs: Any) -> None:
+                 logits_soft_cap: float | None = None, **kwargs: Any) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -47,6 +62,9 @@ class AttentionImpl(ABC):
         self.sliding_window = check_sliding_window(sliding_window)
         """None, or W: the query at position p attends to the keys at positions p - W < j <= p
         (W keys including itself), as transformers' sliding-window causal mask."""
+        self.logits_soft_cap = check_logits_soft_cap(logits_soft_cap)
+        """None, or c: each scaled score s becomes c * tanh(s / c) before the mask and the
+        softmax (Gemma 2)."""
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
@@ -79,6 +97,9 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     """Whether the impl applies `sliding_window`; the selector never gives a layer with a
     window a backend that would ignore it."""
+    supports_logits_soft_cap: ClassVar[bool] = False
+    """Whether the impl applies `logits_soft_cap`; the selector never gives a layer with a
+    cap a backend that would ignore it."""
 
     @staticmethod
     @abstractmethod

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from vllm.attention.backends.abstract import check_sliding_window
+from vllm.attention.backends.abstract import check_logits_soft_cap, check_sliding_window
 from vllm.utils.cpu_kernels import load_cpu_extension
 
 _SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
@@ -71,11 +71,14 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
                               block_table: torch.Tensor, seq_lens: torch.Tensor,
                               query_start_loc: torch.Tensor, req_indices: torch.Tensor,
                               scale: float, out: torch.Tensor,
-                              window: int | None = None) -> None:
+                              window: int | None = None,
+                              soft_cap: float | None = None) -> None:
     """The kernel's contract in plain torch (one request at a time, float32 math): query row
     i of a request with `context` cached tokens sits at position p = context + i and sees the
-    keys at positions j <= p, and with a sliding window W only those with j > p - W."""
+    keys at positions j <= p, and with a sliding window W only those with j > p - W; with a
+    `soft_cap` c each scaled score s becomes c * tanh(s / c) before the mask and softmax."""
     window = _window_arg(window)
+    soft_cap = check_logits_soft_cap(soft_cap, "soft_cap")
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = query.shape[1] // kv_heads
     for r in req_indices.tolist():
@@ -95,6 +98,8 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
         values = values.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[start:end].float().transpose(0, 1)  # [H, ql, D]
         scores = q @ keys.transpose(1, 2) * scale  # [H, ql, S - first]
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         rows = (torch.arange(query_len) + context).unsqueeze(1)
         visible = positions.unsqueeze(0) <= rows
         if window:

@@ -21,6 +21,11 @@ Sliding window (the layer's `sliding_window` W, as transformers masks it): the q
 position p sees only keys p - W < j <= p. Both paths apply it; the torch path then gathers only
 the blocks that hold some visible key (decode rows read each request's table from the block
 of its window's start), so long contexts read no more than the window's blocks.
+
+Logits soft-capping (the layer's `logits_soft_cap` c, Gemma 2): each scaled score s becomes
+c * tanh(s / c) before the mask and the softmax. SDPA has no such option, so on the torch path
+a capped layer's calls are spelled out in float32 (matmul, cap, mask, softmax, matmul), in
+chunks of query rows that bound the scores' memory; a layer without a cap keeps SDPA.
 """
 from __future__ import annotations
 
@@ -205,7 +210,7 @@ class TorchSDPAImpl(AttentionImpl):
         dtype = kv_cache.dtype
         if (query.device.type == "cpu" and query.dtype == dtype and key.dtype == dtype
                 and value.dtype == dtype and dtype in cpu_paged_kernel.SUPPORTED_DTYPES
-                and md.block_table.dtype == torch.int32
+                and md.block_table.dtype == torch.int32 and self.logits_soft_cap is None
                 and cpu_paged_kernel.cpu_paged_attention_available()):
             # One C++ call writes the new K/V and attends for every request.
             requests = md._plans.get("all_requests")
@@ -259,7 +264,8 @@ class TorchSDPAImpl(AttentionImpl):
         keys = gathered[0].transpose(1, 2).to(q.dtype)  # [B, kv_heads, max_len, hd]
         values = gathered[1].transpose(1, 2).to(q.dtype)
         queries = q[plan.token_index].unsqueeze(2)  # [B, heads, 1, hd]
-        result = _sdpa(queries, keys, values, plan.mask, False, self.scale, gqa)
+        result = _sdpa(queries, keys, values, plan.mask, False, self.scale, gqa,
+                       self.logits_soft_cap)
         out[plan.token_index] = self._to_output(result.squeeze(2))
 
     def _prefill(self, q, k, v, out, kv_cache, md, req, start, query_len, seq_len,
@@ -294,7 +300,7 @@ class TorchSDPAImpl(AttentionImpl):
             causal = False
         result = _sdpa(queries, keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
                        values.transpose(0, 1).unsqueeze(0).to(q.dtype), mask, causal,
-                       self.scale, gqa)
+                       self.scale, gqa, self.logits_soft_cap)
         out[start:end] = self._to_output(result.squeeze(0).transpose(0, 1))
 
     def _to_output(self, result: torch.Tensor) -> torch.Tensor:
@@ -315,9 +321,13 @@ def _fold_query_groups(device: torch.device) -> bool:
 
 
 def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-          mask: torch.Tensor | None, causal: bool, scale: float, gqa: bool) -> torch.Tensor:
+          mask: torch.Tensor | None, causal: bool, scale: float, gqa: bool,
+          soft_cap: float | None = None) -> torch.Tensor:
     """SDPA of queries [B, heads, L, hd] over keys / values [B, kv_heads, S, hd]; `mask`
-    [..., L, S] (broadcast over batch and heads) or `causal`."""
+    [..., L, S] (broadcast over batch and heads) or `causal`; `soft_cap` c: scores
+    c * tanh(s / c) (SDPA has no such option: computed explicitly)."""
+    if soft_cap is not None:
+        return _soft_capped_attention(queries, keys, values, mask, causal, scale, soft_cap)
     if not (gqa and mask is not None and _fold_query_groups(queries.device)):
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                               is_causal=causal, scale=scale, enable_gqa=gqa)
@@ -333,6 +343,45 @@ def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return result.view(batch, heads, rows, head_size)
 
 
+# Float32 score elements one explicit soft-capped call materialises at most (x4 bytes, and a
+# few temporaries of that size): longer calls are split into chunks of query rows.
+_SCORE_BUDGET = 1 << 24
+
+
+def _soft_capped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           mask: torch.Tensor | None, causal: bool, scale: float,
+                           cap: float) -> torch.Tensor:
+    """`_sdpa` with soft-capped scores, spelled out in float32: scores = scale * q.k, then
+    cap * tanh(scores / cap), then the mask, softmax, and the weighted sum of the values.
+    Shapes as `_sdpa`; the result has the queries' dtype."""
+    batch, heads, rows, head_size = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    if causal:  # a fresh prompt: query row i sees keys 0..i (+ any keys before the rows)
+        mask = torch.ones(rows, length, dtype=torch.bool, device=queries.device).tril(
+            length - rows)
+    if mask is not None and mask.dim() == 4:
+        mask = mask.unsqueeze(2)  # [B, 1, 1(group), L or 1, S]
+    # Query head h reads key head h // group: [B, kv_heads, group, L, hd] against
+    # [B, kv_heads, 1, S, hd], so no K/V copy per query head.
+    q = queries.reshape(batch, kv_heads, group, rows, head_size).float()
+    k = keys.unsqueeze(2).float()
+    v = values.unsqueeze(2).float()
+    out = torch.empty(batch, kv_heads, group, rows, head_size, dtype=queries.dtype,
+                      device=queries.device)
+    step = max(1, _SCORE_BUDGET // max(1, batch * heads * length))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        scores = torch.matmul(q[..., r0:r1, :], k.transpose(-1, -2)).mul_(scale / cap)
+        scores = scores.tanh_().mul_(cap)
+        if mask is not None:
+            part = mask if mask.shape[-2] == 1 else mask[..., r0:r1, :]
+            scores.masked_fill_(~part, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[..., r0:r1, :] = torch.matmul(probs, v).to(queries.dtype)
+    return out.view(batch, heads, rows, head_size)
+
+
 def _gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """[2, len(blocks), block_size * kv_heads * head_size]: K and V of the listed blocks."""
     return kv_cache.view(2, kv_cache.shape[1], -1).index_select(1, blocks)
@@ -342,6 +391,7 @@ class TorchSDPABackend(AttentionBackend):
     accept_output_buffer = True
     cudagraph_support = AttentionCGSupport.NEVER
     supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     @staticmethod
     def get_name() -> str:

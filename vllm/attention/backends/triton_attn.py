@@ -158,6 +158,7 @@ class TritonAttentionImpl(TorchSDPAImpl):
 class TritonAttentionBackend(TorchSDPABackend):
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     supports_sliding_window = True
+    supports_logits_soft_cap = False  # the decode kernel does not apply it yet
 
     @staticmethod
     def get_name() -> str:
