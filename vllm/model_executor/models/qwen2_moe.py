@@ -39,7 +39,6 @@ from vllm.model_executor.models.llama import (
     maybe_prefix,
 )
 
-
 # "...mlp.experts.7.up_proj.weight" -> experts "...mlp.experts", expert 7, proj "up_proj".
 _PER_EXPERT_NAME = re.compile(
     r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -137,24 +136,26 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
             ckpt_up_proj_name="up_proj")
         self.stacked_expert_params_mapping = FusedMoE.make_stacked_expert_params_mapping()
 
-    def _load_expert_weight(self, name: str, tensor: torch.Tensor,
-                            params: dict[str, nn.Parameter]) -> str | None:
+    def _expert_target(self, name: str) -> tuple[str, str, int | None] | None:
+        """(parameter name, shard id, expert id or None for a stacked tensor) of an expert
+        checkpoint tensor; None for any other name."""
         match = _PER_EXPERT_NAME.match(name)
         if match is not None:
-            param_name = f"{match['experts']}.{_PARAM_OF_PROJ[match['proj']]}"
-            shard_id = _SHARD_OF_PROJ[match['proj']]
-            expert_id = int(match["expert"])
-        else:
-            for param_part, ckpt_suffix, shard_id in self.stacked_expert_params_mapping:
-                if name.endswith(ckpt_suffix):
-                    param_name = name[:-len(ckpt_suffix)] + param_part
-                    expert_id = None
-                    break
-            else:
-                return None
-        param = params.get(param_name)
+            proj = match["proj"]
+            return (f"{match['experts']}.{_PARAM_OF_PROJ[proj]}", _SHARD_OF_PROJ[proj],
+                    int(match["expert"]))
+        for param_part, ckpt_suffix, shard_id in self.stacked_expert_params_mapping:
+            if name.endswith(ckpt_suffix):
+                return name[:-len(ckpt_suffix)] + param_part, shard_id, None
+        return None
+
+    def _load_expert_weight(self, name: str, tensor: torch.Tensor,
+                            params: dict[str, nn.Parameter]) -> str | None:
+        target = self._expert_target(name)
+        param = params.get(target[0]) if target is not None else None
         if param is None:
             return None
+        param_name, shard_id, expert_id = target
         param.weight_loader(param, tensor, name, shard_id=shard_id, expert_id=expert_id)
         # A stacked tensor fills every expert's part of the parameter at once.
         return param_name if expert_id is None else f"{param_name}:{expert_id}.{shard_id}"
