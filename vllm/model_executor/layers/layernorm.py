@@ -55,3 +55,45 @@ class RMSNorm(CustomOp):
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"
+
+
+@CustomOp.register("gemma_rms_norm")
+class GemmaRMSNorm(CustomOp):
+    """Gemma's RMSNorm: y = x / sqrt(mean(x^2) + eps) * (1 + weight).
+
+    Unlike `RMSNorm`, the weight multiplies in float32 and only the product is cast back to
+    x's dtype (transformers' Gemma, Gemma 2 and Gemma 3 norms); checkpoints store the weight
+    centred on 0, so a zero weight is the identity scale. `forward(x, residual)` adds
+    `residual` in x's dtype first (as those models' `residual + hidden` does), normalises
+    that sum and returns `(y, sum)`. The norm runs over the last dimension of x."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def _add_residual(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            return x, None
+        summed = (x.to(torch.float32) + residual.to(torch.float32)).to(x.dtype)
+        return summed, summed
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        x, residual = self._add_residual(x, residual)
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.variance_epsilon)
+        out = (x32 * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # ATen's fused rms_norm, with the (1 + weight) scale folded in, all in float32.
+        x, residual = self._add_residual(x, residual)
+        scale = 1.0 + self.weight.to(torch.float32)
+        out = torch.nn.functional.rms_norm(x.to(torch.float32), (self.hidden_size,), scale,
+                                           self.variance_epsilon).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"

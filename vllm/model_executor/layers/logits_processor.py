@@ -13,10 +13,17 @@ class LogitsProcessor(nn.Module):
 
     def __init__(self, vocab_size: int, scale: float = 1.0,
                  soft_cap: float | None = None) -> None:
+        """`soft_cap`: None, or c > 0 to return c * tanh(logits / c) (Gemma 2's
+        `final_logit_softcapping`), applied in float32 before `scale`."""
         super().__init__()
+        if soft_cap is not None and (isinstance(soft_cap, bool)
+                                     or not isinstance(soft_cap, (int, float))
+                                     or not 0 < soft_cap < float("inf")):
+            raise ValueError(f"logits soft_cap={soft_cap!r}; allowed: None or a finite number "
+                             "> 0")
         self.vocab_size = vocab_size
         self.scale = scale
-        self.soft_cap = soft_cap
+        self.soft_cap = None if soft_cap is None else float(soft_cap)
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, hidden] -> logits [N, vocab_size] in float32."""
@@ -31,4 +38,4 @@ class LogitsProcessor(nn.Module):
         return logits
 
     def extra_repr(self) -> str:
-        return f"vocab_size={self.vocab_size}, scale={self.scale}"
+        return f"vocab_size={self.vocab_size}, scale={self.scale}, soft_cap={self.soft_cap}"
