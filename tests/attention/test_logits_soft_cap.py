@@ -124,6 +124,113 @@ def test_the_cap_changes_the_result_and_a_huge_cap_does_not():
                                atol=1e-6, rtol=1e-6)
 
 
+# --- the C++ kernel --------------------------------------------------------------------------
+
+@needs_kernel
+@pytest.mark.parametrize("cap", [0.5, 2.0, 30.0])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads,kv_heads,head_size,block_size", HEAD_CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_matches_dense(dtype, heads, kv_heads, head_size, block_size, window, cap):
+    """Caps that put the scores / cap in both ranges of the kernel's tanh (series below 0.3,
+    exponential above), decode rows and chunks in one call."""
+    query, kvs, cache, table, seq_lens, starts = make_batch(REQUESTS, heads, kv_heads,
+                                                           head_size, block_size, dtype)
+    scale = 1 / math.sqrt(head_size)
+    reqs = torch.arange(len(REQUESTS))
+    out = torch.full(query.shape, 7.0, dtype=dtype)
+    cpu_paged_kernel.paged_attention(query, cache, table, seq_lens, starts, reqs, scale, out,
+                                     window=window, soft_cap=cap)
+    dense = dense_attention(query, kvs, REQUESTS, scale, window, cap)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out.double(), dense, atol=tol, rtol=tol)
+    ref = torch.empty_like(out)
+    cpu_paged_kernel.paged_attention_reference(query, cache, table, seq_lens, starts, reqs,
+                                               scale, ref, window=window, soft_cap=cap)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_kernel_without_a_cap_is_the_plain_kernel():
+    """soft_cap None and 0.0 (the op's default) are the uncapped kernel, bit for bit; a
+    capped call differs."""
+    query, kvs, cache, table, seq_lens, starts = make_batch(REQUESTS, 6, 2, 16, 4,
+                                                           torch.float32)
+    reqs = torch.arange(len(REQUESTS))
+    outs = [torch.empty(query.shape) for _ in range(3)]
+    cpu_paged_kernel.paged_attention(query, cache, table, seq_lens, starts, reqs, 0.25, outs[0])
+    torch.ops.vllm_cpu_attn.paged_attention(query, cache, table, seq_lens, starts, reqs, 0.25,
+                                            outs[1])
+    cpu_paged_kernel.paged_attention(query, cache, table, seq_lens, starts, reqs, 0.25, outs[2],
+                                     soft_cap=2.0)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].double(), dense_attention(query, kvs, REQUESTS, 0.25),
+                               atol=1e-5, rtol=1e-5)
+    assert (outs[2] - outs[0]).abs().max() > 0.3
+    with pytest.raises(ValueError, match="soft_cap must be a positive finite number"):
+        cpu_paged_kernel.paged_attention(query, cache, table, seq_lens, starts, reqs, 0.25,
+                                         outs[2], soft_cap=-1.0)
+    with pytest.raises(RuntimeError, match="soft_cap must be 0"):
+        torch.ops.vllm_cpu_attn.paged_attention(query, cache, table, seq_lens, starts, reqs,
+                                                0.25, outs[2], 0, float("nan"))
+
+
+@needs_kernel
+def test_kernel_tanh_is_accurate_across_its_two_ranges():
+    """One query row over keys whose scores / cap sweep across 0.3 (where the kernel's tanh
+    switches from its series to the exponential form) and far into the flat tails: with
+    one-hot values the output is the softmax of the capped scores, against float64."""
+    n, head_size, cap = 64, 16, 4.0
+    query = torch.zeros(1, 1, head_size)
+    query[0, 0, 0] = 1.0
+    keys = torch.zeros(n, head_size)
+    # score / cap: 48 steps of 0.1 through -2.4 .. 2.4 (both sides of 0.3), then the tails.
+    keys[:, 0] = torch.cat([torch.linspace(-2.4, 2.4, 48) * cap,
+                            torch.tensor([-300.0, -90, -40, -20, -12, -8, -6, -5,
+                                          5, 6, 8, 12, 20, 40, 90, 300])])
+    cache = torch.zeros(2, n // 16 + 1, 16, 1, head_size)
+    cache[0, 1:].view(-1, head_size)[:] = keys
+    table = torch.arange(1, n // 16 + 1, dtype=torch.int32).view(1, -1)
+    got = []
+    for part in range(n // head_size):  # the values pick out head_size weights at a time
+        cache[1].zero_()
+        cache[1, 1:].view(-1, head_size)[part * head_size:(part + 1) * head_size] = \
+            torch.eye(head_size)
+        out = torch.empty(1, 1, head_size)
+        cpu_paged_kernel.paged_attention(query, cache, table, torch.tensor([n]),
+                                         torch.tensor([0, 1]), torch.tensor([0]), 1.0, out,
+                                         soft_cap=cap)
+        got.append(out.view(-1))
+    expected = (torch.tanh(keys[:, 0].double() / cap) * cap).softmax(-1)
+    torch.testing.assert_close(torch.cat(got).double(), expected, atol=2e-7, rtol=1e-6)
+
+
+@needs_kernel
+def test_write_and_attend_with_a_cap():
+    from vllm.attention.backends.cpu_paged_kernel import write_and_attend
+
+    requests = [(21, 1), (0, 9), (12, 6)]
+    query, kvs, cache, table, seq_lens, starts = make_batch(requests, 6, 2, 16, 4,
+                                                           torch.float32)
+    num_tokens = query.shape[0]
+    new_k, new_v, slots = [], [], []
+    for r, (c, n) in enumerate(requests):
+        for p in range(c, c + n):
+            slot = int(table[r, p // 4]) * 4 + p % 4
+            cache.view(2, -1, 2, 16)[:, slot] = 0.0
+            slots.append(slot)
+            new_k.append(kvs[r][0, p])
+            new_v.append(kvs[r][1, p])
+    out = torch.zeros(num_tokens, 6 * 16)
+    write_and_attend(query.reshape(num_tokens, -1), torch.stack(new_k).reshape(num_tokens, -1),
+                     torch.stack(new_v).reshape(num_tokens, -1), cache, torch.tensor(slots),
+                     table, seq_lens, starts, torch.arange(3), 0.25, out, window=4,
+                     soft_cap=1.5)
+    torch.testing.assert_close(out.view(num_tokens, 6, 16).double(),
+                               dense_attention(query, kvs, requests, 0.25, 4, 1.5), atol=1e-5,
+                               rtol=1e-5)
+
+
 # --- TorchSDPAImpl: the kernel path and the plain-torch path --------------------------------
 
 class _Layer:
@@ -184,6 +291,20 @@ def test_impl_paths_match_dense(dtype, heads, kv_heads, head_size, block_size, w
     assert not ours.isnan().any()
     tol = tolerance(dtype)
     torch.testing.assert_close(ours.double(), dense, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_impl_kernel_path_passes_the_cap(monkeypatch):
+    """On the CPU a capped layer still takes the one-call kernel path (no torch fallback)."""
+    seen = []
+    real = cpu_paged_kernel.write_and_attend
+    monkeypatch.setattr(cpu_paged_kernel, "write_and_attend",
+                        lambda *a, **k: seen.append(k.get("soft_cap")) or real(*a, **k))
+    monkeypatch.setattr(TorchSDPAImpl, "_prefill", lambda *a: pytest.fail("torch path ran"))
+    monkeypatch.setattr(TorchSDPAImpl, "_decode", lambda *a: pytest.fail("torch path ran"))
+    ours, dense = run_impl(torch.float32, 6, 2, 16, 4, None, 2.0)
+    torch.testing.assert_close(ours.double(), dense, atol=1e-5, rtol=1e-5)
+    assert seen == [2.0]
 
 
 def test_torch_path_calls_sdpa_without_a_cap_and_never_with_one(monkeypatch):

@@ -3,12 +3,14 @@ call, and its plain-torch reference.
 
     if cpu_paged_attention_available():
         paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
-                        scale, out, window=None)
+                        scale, out, window=None, soft_cap=None)
 
 The kernel reads each request's K/V straight from the paged cache (no gather into a padded
 copy) and handles decode rows and chunks with cached context alike; `window` (a sliding
 window W: query position p sees keys p - W < j <= p, as transformers masks them; None = the
-whole causal context) skips the blocks no row can see. See the C++ file for the contract.
+whole causal context) skips the blocks no row can see; `soft_cap` (logits soft-capping c:
+each scaled score s becomes c * tanh(s / c) before the mask and softmax; None = none) is
+applied in the kernel's score loop. See the C++ file for the contract.
 It is built at first use, once per machine, and cached under the vllm cache root
 (vllm/utils/cpu_kernels.py; the cache key hashes the source, so an edited kernel is rebuilt);
 when the build fails the failure is logged once and callers keep their plain-torch path.
@@ -39,32 +41,40 @@ def _window_arg(window: int | None) -> int:
     return check_sliding_window(window, "window") or 0
 
 
+def _soft_cap_arg(soft_cap: float | None) -> float:
+    """The kernels' float soft-cap argument: 0.0 = none."""
+    return check_logits_soft_cap(soft_cap, "soft_cap") or 0.0
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     req_indices: torch.Tensor, scale: float, out: torch.Tensor,
-                    window: int | None = None) -> None:
+                    window: int | None = None, soft_cap: float | None = None) -> None:
     """Attention of the listed requests' query rows over their paged K/V, written into `out`.
 
     query/out [T, H, D] (channel dim dense), kv_cache [2, num_blocks, block_size, KVH, D]
     contiguous and of query's dtype, block_table [R, max_blocks] int32, seq_lens [R] int64,
     query_start_loc [R + 1] int64, req_indices [n] int64, window: a sliding window (None:
-    none). Needs `cpu_paged_attention_available()`."""
+    none), soft_cap: logits soft-capping (None: none). Needs
+    `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
                                             query_start_loc, req_indices, scale, out,
-                                            _window_arg(window))
+                                            _window_arg(window), _soft_cap_arg(soft_cap))
 
 
 def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, req_indices: torch.Tensor, scale: float,
-                     out: torch.Tensor, window: int | None = None) -> None:
+                     out: torch.Tensor, window: int | None = None,
+                     soft_cap: float | None = None) -> None:
     """Write key/value rows 0..len(slot_mapping)-1 into the cache by slot, then
     `paged_attention`. query/out [T, H * D], key/value [T, KVH * D] (row-strided is fine),
     all of kv_cache's dtype; slot_mapping int64. Needs `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
                                              block_table, seq_lens, query_start_loc,
-                                             req_indices, scale, out, _window_arg(window))
+                                             req_indices, scale, out, _window_arg(window),
+                                             _soft_cap_arg(soft_cap))
 
 
 def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,

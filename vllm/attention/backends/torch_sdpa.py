@@ -210,7 +210,7 @@ class TorchSDPAImpl(AttentionImpl):
         dtype = kv_cache.dtype
         if (query.device.type == "cpu" and query.dtype == dtype and key.dtype == dtype
                 and value.dtype == dtype and dtype in cpu_paged_kernel.SUPPORTED_DTYPES
-                and md.block_table.dtype == torch.int32 and self.logits_soft_cap is None
+                and md.block_table.dtype == torch.int32
                 and cpu_paged_kernel.cpu_paged_attention_available()):
             # One C++ call writes the new K/V and attends for every request.
             requests = md._plans.get("all_requests")
@@ -222,7 +222,8 @@ class TorchSDPAImpl(AttentionImpl):
             cpu_paged_kernel.write_and_attend(query, key, value, kv_cache, slots,
                                               md.block_table, md.seq_lens, md.query_start_loc,
                                               requests, self.scale, result,
-                                              window=self.sliding_window)
+                                              window=self.sliding_window,
+                                              soft_cap=self.logits_soft_cap)
             if md.num_actual_tokens < num_tokens:
                 result[md.num_actual_tokens:].zero_()
             if output_scale is not None:

@@ -2,10 +2,11 @@
 //
 //   torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
 //                                           query_start_loc, req_indices, scale, out,
-//                                           window=0)
+//                                           window=0, soft_cap=0.0)
 //   torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
 //                                            block_table, seq_lens, query_start_loc,
-//                                            req_indices, scale, out, window=0)
+//                                            req_indices, scale, out, window=0,
+//                                            soft_cap=0.0)
 //                                            (2-D q/k/v/out)
 //
 // query  [T, H, D]   (rows may be strided; the head and channel dims must be dense)
@@ -22,6 +23,9 @@
 // positions visible to some row of a work item are read: the padding entries of a block-table
 // row (dummy block 0) are never touched, and with a window the blocks before every row's
 // window are skipped, so a long context costs no more than its last W positions.
+// soft_cap c > 0 (logits soft-capping, Gemma 2): each scaled score s = scale * q.k becomes
+// c * tanh(s / c) before the mask and the softmax; 0 = none. The no-cap path is a separate
+// instantiation of the kernel (a template flag), so it runs exactly the code it ran before.
 //
 // Work items are (request, chunk of up to kRowChunk query rows, group of KV heads): the
 // G = H / KVH query heads that share a KV head are computed together, so each K/V row is read
@@ -87,6 +91,26 @@ inline vf exp_nonpositive(vf x) {
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   const vf scale = reinterpret_cast<const vf&>(bits);
   return x < -87.0f ? splat(0.0f) : p * scale;
+}
+
+// cap * tanh(x / cap), lane-wise, about 3 ulp. With a = |x / cap|: below 0.3 the odd Taylor
+// series of tanh to a^13 (truncation < 1e-10 relative); from 0.3 on (1 - t) / (1 + t) with
+// t = e^(-2a) <= 0.55, which loses at most a bit or two to the subtraction (and is exactly 1
+// once t underflows to 0); then x's sign.
+inline vf soft_cap(vf x, float cap, float inv_cap) {
+  const vf y = x * inv_cap;
+  const vf a = y < 0.0f ? -y : y;
+  const vf a2 = a * a;
+  vf p = splat(21844.0f / 6081075.0f);
+  p = p * a2 - 1382.0f / 155925.0f;
+  p = p * a2 + 62.0f / 2835.0f;
+  p = p * a2 - 17.0f / 315.0f;
+  p = p * a2 + 2.0f / 15.0f;
+  p = p * a2 - 1.0f / 3.0f;
+  const vf series = a + a * a2 * p;
+  const vf t = exp_nonpositive(-2.0f * a);
+  const vf th = a < 0.3f ? series : (1.0f - t) / (1.0f + t);
+  return (y < 0.0f ? -th : th) * cap;
 }
 
 inline float to_float(float v) { return v; }
@@ -196,10 +220,12 @@ inline vf scores_transposed(const float* q, int64_t D, const float* kt) {
 }
 
 // One chunk of up to kKeys keys at positions pos0 .. pos0 + nk - 1 (rows of K/V given by
-// k_rows / v_rows with stride `row_stride`), folded into every row's online softmax.
-template <typename T>
+// k_rows / v_rows with stride `row_stride`), folded into every row's online softmax; kCap:
+// scores soft-capped at `cap` first.
+template <typename T, bool kCap>
 inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T* k_rows,
-                      const T* v_rows, int64_t row_stride, int64_t pos0, int nk) {
+                      const T* v_rows, int64_t row_stride, int64_t pos0, int nk, float cap,
+                      float inv_cap) {
   // Few rows (decode): per-key dot products. Many rows (prompts, GQA groups of a chunk): the
   // transposition pays for itself.
   const bool dense = D % kKeys == 0 && n_rows < kDenseMaxRows;
@@ -239,6 +265,7 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
     const float* q = s.q.data() + row * D;
     vf score = dense ? scores_dense(q, D, kf, kf_stride, static_cast<int>(visible))
                      : scores_transposed(q, D, s.kt.data());
+    if constexpr (kCap) score = soft_cap(score, cap, inv_cap);
     score = (lane < static_cast<int32_t>(visible)) & (lane >= static_cast<int32_t>(lo))
                 ? score
                 : neg_inf;
@@ -286,10 +313,11 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
   }
 }
 
-template <typename T>
+template <typename T, bool kCap>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-         const at::Tensor& req_indices, double scale_d, int64_t window, at::Tensor& out) {
+         const at::Tensor& req_indices, double scale_d, int64_t window, double cap_d,
+         at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   const int64_t G = H / KVH;
@@ -301,6 +329,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t bt_row = block_table.stride(0);
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));  // one head's K (or V) row
   const float scale = static_cast<float>(scale_d);
+  const float cap = static_cast<float>(cap_d);
+  const float inv_cap = kCap ? 1.0f / cap : 0.0f;
   // Keys a query row at position p may see start at first_visible(p); window <= 0: all.
   const auto first_visible = [window](int64_t p) -> int64_t {
     return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
@@ -417,8 +447,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             const float* vg = s.vbuf.data() + (g - it.head0) * D;
             for (int64_t j0 = j_first; j0 < in_block; j0 += kKeys) {
               const int nk = static_cast<int>(std::min<int64_t>(kKeys, in_block - j0));
-              fold_keys<float>(s, (g - it.head0) * head_rows, head_rows, D, kg + j0 * width,
-                               vg + j0 * width, width, b * BS + j0, nk);
+              fold_keys<float, kCap>(s, (g - it.head0) * head_rows, head_rows, D,
+                                     kg + j0 * width, vg + j0 * width, width, b * BS + j0, nk,
+                                     cap, inv_cap);
             }
           }
         }
@@ -442,7 +473,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& req_indices,
-                     double scale, at::Tensor out, int64_t window) {
+                     double scale, at::Tensor out, int64_t window, double soft_cap) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
@@ -461,22 +492,31 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                   query_start_loc.is_contiguous() && req_indices.scalar_type() == at::kLong &&
                   req_indices.is_contiguous(),
               "seq_lens, query_start_loc and req_indices must be contiguous int64");
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      run<float>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices, scale,
-                 window, out);
-      break;
-    case at::kBFloat16:
-      run<c10::BFloat16>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
-                         scale, window, out);
-      break;
-    case at::kHalf:
-      run<c10::Half>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
-                     scale, window, out);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
-  }
+  TORCH_CHECK(std::isfinite(soft_cap) && soft_cap >= 0.0,
+              "soft_cap must be 0 (none) or a positive finite number, got ", soft_cap);
+  const auto dispatch = [&](auto cap_flag) {
+    constexpr bool kCap = decltype(cap_flag)::value;
+    switch (query.scalar_type()) {
+      case at::kFloat:
+        run<float, kCap>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
+                         scale, window, soft_cap, out);
+        break;
+      case at::kBFloat16:
+        run<c10::BFloat16, kCap>(query, kv_cache, block_table, seq_lens, query_start_loc,
+                                 req_indices, scale, window, soft_cap, out);
+        break;
+      case at::kHalf:
+        run<c10::Half, kCap>(query, kv_cache, block_table, seq_lens, query_start_loc,
+                             req_indices, scale, window, soft_cap, out);
+        break;
+      default:
+        TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+    }
+  };
+  if (soft_cap > 0.0)
+    dispatch(std::true_type{});
+  else
+    dispatch(std::false_type{});
 }
 
 // Writes the batch's new K/V rows into the cache by slot, then runs paged_attention: the
@@ -487,7 +527,7 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
                       at::Tensor kv_cache, const at::Tensor& slot_mapping,
                       const at::Tensor& block_table, const at::Tensor& seq_lens,
                       const at::Tensor& query_start_loc, const at::Tensor& req_indices,
-                      double scale, at::Tensor out, int64_t window) {
+                      double scale, at::Tensor out, int64_t window, double soft_cap) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
   const int64_t D = kv_cache.size(4), KVH = kv_cache.size(3);
@@ -522,7 +562,7 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   }
   paged_attention(query.as_strided({T, H, D}, {query.stride(0), D, 1}), kv_cache, block_table,
                   seq_lens, query_start_loc, req_indices, scale,
-                  out.as_strided({T, H, D}, {out.stride(0), D, 1}), window);
+                  out.as_strided({T, H, D}, {out.stride(0), D, 1}), window, soft_cap);
 }
 
 }  // namespace
@@ -531,11 +571,12 @@ TORCH_LIBRARY(vllm_cpu_attn, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor req_indices, float scale, Tensor(a!) out, "
-      "int window=0) -> ()");
+      "int window=0, float soft_cap=0.0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def(
       "write_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
-      "Tensor req_indices, float scale, Tensor(b!) out, int window=0) -> ()");
+      "Tensor req_indices, float scale, Tensor(b!) out, int window=0, "
+      "float soft_cap=0.0) -> ()");
   m.impl("write_and_attend", c10::DispatchKey::CPU, &write_and_attend);
 }
