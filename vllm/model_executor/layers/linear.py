@@ -3,7 +3,9 @@
 Every parameter carries a `weight_loader(param, loaded_weight[, shard_id])` that copies this
 rank's part of a checkpoint tensor into it. Packed layers take a `shard_id`: QKVParallelLinear
 loads "q", "k" and "v" into one fused weight; MergedColumnParallelLinear loads the checkpoint's
-separate projections (0, 1, ... in `output_sizes` order, e.g. gate then up).
+separate projections (0, 1, ... in `output_sizes` order, e.g. gate then up). Without a shard
+id both take a checkpoint's already fused tensor (Phi-3's qkv_proj, gate_up_proj), split it
+by the full sizes and load each part as its shard, so each rank still gets its own slices.
 
 Layers return the output tensor (no separate bias tuple). The matmul itself is delegated to
 `self.quant_method` (`UnquantizedLinearMethod` unless a quantization config provides another),
@@ -52,6 +54,14 @@ def mark_shard_ids(layer: nn.Module, shard_ids: list) -> None:
     for param in (getattr(layer, "weight", None), getattr(layer, "bias", None)):
         if param is not None:
             param.shard_ids = list(shard_ids)
+
+
+def check_fused_rows(loaded_weight: torch.Tensor, output_dim: int, sizes: list[int]) -> None:
+    """A fused checkpoint tensor (e.g. Phi-3's qkv_proj, gate_up_proj) must hold exactly the
+    parts' full (unsplit) rows: a longer one is not silently cut."""
+    if loaded_weight.dim() <= output_dim or loaded_weight.shape[output_dim] != sum(sizes):
+        raise ValueError(f"fused checkpoint tensor of shape {tuple(loaded_weight.shape)} must "
+                         f"have {sum(sizes)} rows (parts of {sizes}) along dim {output_dim}")
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -243,6 +253,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                       loaded_shard_id: int | None = None) -> None:
         output_dim = getattr(param, "output_dim", 0)
         if loaded_shard_id is None:  # the checkpoint already holds the fused tensor
+            check_fused_rows(loaded_weight, output_dim, self.output_sizes)
             offset = 0
             for shard_id, total in enumerate(self.output_sizes):
                 self.weight_loader(param, loaded_weight.narrow(output_dim, offset, total),
@@ -296,6 +307,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if loaded_shard_id is None:  # a fused qkv tensor in the checkpoint
             q = self.total_num_heads * self.head_size
             kv = self.total_num_kv_heads * self.head_size
+            check_fused_rows(loaded_weight, output_dim, [q, kv, kv])
             for shard_id, (start, size) in zip("qkv", ((0, q), (q, kv), (q + kv, kv))):
                 self.weight_loader(param, loaded_weight.narrow(output_dim, start, size), shard_id)
             return

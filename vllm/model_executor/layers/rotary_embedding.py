@@ -13,9 +13,12 @@ from typing import Any
 import torch
 
 from vllm.config.rope import rope_config, rope_max_position  # noqa: F401 (re-exported)
+from vllm.logger import init_logger
 from vllm.model_executor.custom_op import CustomOp
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+logger = init_logger(__name__)
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")
 
 
 @CustomOp.register("rotary_embedding")
@@ -180,6 +183,89 @@ class YaRNScalingRotaryEmbedding(RotaryEmbedding):
         return super()._compute_cos_sin_cache() * self.attention_factor
 
 
+class LongRoPEScaledRotaryEmbedding(RotaryEmbedding):
+    """LongRoPE (rope type "longrope", legacy name "su"; Phi-3-mini-128k, Phi-3.5): every
+    channel pair's frequency is divided by its own factor, `short_factor[i]` or
+    `long_factor[i]` (lists of `rotary_dim // 2` numbers), and cos and sin are multiplied by
+    `attention_factor` (by default sqrt(1 + ln(factor) / ln(original_max_position)) with
+    factor = max_position_embeddings / original_max_position when the config gives none;
+    1 when factor <= 1). Both factor lists share the same attention factor.
+
+    Which list applies is decided once, when the model is built: the long factors for every
+    position when the engine's `max_model_len` exceeds `original_max_position`
+    (`use_long_factors`), the short ones otherwise. This is upstream vLLM's choice.
+
+    transformers (5.x) decides per forward call: the long factors for EVERY position of a
+    sequence whose length exceeds `original_max_position`, the short ones otherwise (its
+    generate() drops the KV cache and recomputes the whole sequence the step it crosses).
+    Keys in a paged KV cache are stored rotated and outlive steps (decode, prefix-cache
+    hits), so a switch per sequence would mean recomputing them; a switch per position
+    (short below `original_max_position`, long from it on) would rotate one sequence's early
+    keys and late queries with different frequencies, so attention would no longer depend on
+    the distance alone. A fixed choice keeps every sequence consistent. Consequences:
+      - max_model_len <= original_max_position: transformers' logits exactly (short);
+      - max_model_len > original_max_position (the default for Phi-3-mini-128k: 131072 >
+        4096): transformers' logits exactly for sequences longer than
+        `original_max_position`; sequences up to it get the long factors where transformers
+        uses the short ones (serve with max_model_len <= original_max_position to get those).
+    """
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int,
+                 base: float, is_neox_style: bool, original_max_position: int,
+                 short_factor: list[float], long_factor: list[float], use_long_factors: bool,
+                 factor: float | None = None, attention_factor: float | None = None,
+                 scaled_max_position: int | None = None) -> None:
+        pairs = rotary_dim // 2
+        for name, values in (("short_factor", short_factor), ("long_factor", long_factor)):
+            if (not isinstance(values, (list, tuple)) or len(values) != pairs
+                    or not all(isinstance(v, (int, float)) and v > 0 for v in values)):
+                raise ValueError(f"rope_scaling {name} must be a list of {pairs} positive numbers "
+                                 f"(rotary_dim {rotary_dim} / 2), got {values!r}")
+        if int(original_max_position) <= 1:
+            raise ValueError("rope_scaling original_max_position_embeddings must be an int > 1, "
+                             f"got {original_max_position!r}")
+        self.original_max_position = int(original_max_position)
+        self.short_factor = [float(v) for v in short_factor]
+        self.long_factor = [float(v) for v in long_factor]
+        self.use_long_factors = bool(use_long_factors)
+        if factor is None:  # the model's context length over its pre-training length
+            factor = (scaled_max_position or max_position_embeddings) / self.original_max_position
+        self.factor = float(factor)
+        if attention_factor is None:
+            attention_factor = 1.0 if self.factor <= 1.0 else math.sqrt(
+                1 + math.log(self.factor) / math.log(self.original_max_position))
+        self.attention_factor = float(attention_factor)
+        super().__init__(head_size, rotary_dim, max_position_embeddings, base, is_neox_style)
+        if self.use_long_factors:
+            logger.info("LongRoPE: the long factors for every position (max_model_len > "
+                        "original_max_position_embeddings=%d); transformers uses the short "
+                        "ones for sequences of at most %d tokens", self.original_max_position,
+                        self.original_max_position)
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        factors = self.long_factor if self.use_long_factors else self.short_factor
+        ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu")
+        return 1.0 / (ext * self.base ** (exponents.to(torch.float32) / self.rotary_dim))
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        return super()._compute_cos_sin_cache() * self.attention_factor
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, original_max_position={self.original_max_position}, "
+                f"use_long_factors={self.use_long_factors}, "
+                f"attention_factor={self.attention_factor:.6f}")
+
+
+def _engine_max_model_len(default: int) -> int:
+    """The max_model_len of the model being built (`default` outside an engine's build)."""
+    from vllm.config import get_current_vllm_config
+
+    config = get_current_vllm_config()
+    model_config = getattr(config, "model_config", None)
+    return getattr(model_config, "max_model_len", None) or default
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -188,8 +274,10 @@ def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
              rope_scaling: dict[str, Any] | None = None, is_neox_style: bool = True,
              original_max_position: int | None = None) -> RotaryEmbedding:
     """Build the rotary embedding for `rope_scaling` (None / "default", "linear", "llama3",
-    "yarn") with a cos/sin cache of `max_position` positions. `original_max_position`: the
-    config's max_position_embeddings, for scalings that name no pre-training length."""
+    "yarn", "longrope" or its legacy name "su") with a cos/sin cache of `max_position`
+    positions. `original_max_position`: the config's max_position_embeddings, for scalings
+    that name no pre-training length (and longrope's default factor: it over the pre-training
+    length)."""
     if not rope_scaling:
         return RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style)
     rope_type = rope_scaling.get("rope_type") or rope_scaling.get("type") or "default"
@@ -215,5 +303,14 @@ def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
             attention_factor=rope_scaling.get("attention_factor"),
             mscale=rope_scaling.get("mscale"), mscale_all_dim=rope_scaling.get("mscale_all_dim"),
             truncate=rope_scaling.get("truncate", True))
+    if rope_type in ("longrope", "su"):
+        return LongRoPEScaledRotaryEmbedding(
+            head_size, rotary_dim, max_position, base, is_neox_style,
+            original_max_position=original, short_factor=rope_scaling.get("short_factor"),
+            long_factor=rope_scaling.get("long_factor"),
+            use_long_factors=_engine_max_model_len(max_position) > original,
+            factor=rope_scaling.get("factor"),
+            attention_factor=rope_scaling.get("attention_factor"),
+            scaled_max_position=original_max_position)
     raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: "
                      + ", ".join(_SUPPORTED_ROPE_TYPES))
