@@ -16,6 +16,25 @@ SHAPES = {
                   "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
                   "vocab_size": 32000, "max_position_embeddings": 2048,
                   "tie_word_embeddings": False, "rms_norm_eps": 1e-5},
+    # Gemma-2-2B's per-layer shape and vocabulary (window 4096 on every other layer, both
+    # soft-caps), 4 of its 26 layers so that the random checkpoint fits a small machine.
+    "gemma2-2b-4l": {"arch": "Gemma2ForCausalLM", "hidden_size": 2304,
+                     "intermediate_size": 9216, "num_hidden_layers": 4,
+                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                     "vocab_size": 256000, "max_position_embeddings": 8192,
+                     "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                     "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
+    # Qwen3-30B-A3B's per-layer shape (hidden 2048, 32/4 heads of 128, experts of 768, top 8,
+    # normalised) and vocabulary, with 4 of its 48 layers and 32 of its 128 experts.
+    "qwen3-moe-4l": {"arch": "Qwen3MoeForCausalLM", "hidden_size": 2048,
+                     "intermediate_size": 6144, "moe_intermediate_size": 768,
+                     "num_hidden_layers": 4, "num_attention_heads": 32,
+                     "num_key_value_heads": 4, "head_dim": 128, "num_experts": 32,
+                     "num_experts_per_tok": 8, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "vocab_size": 151936,
+                     "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
 }
 
 
@@ -30,8 +49,8 @@ def write_checkpoint(name: str, root: str, seed: int = 0) -> str:
         return path
     shape = dict(SHAPES[name])
     arch = shape.pop("arch")
-    config_cls = {"Qwen2ForCausalLM": transformers.Qwen2Config,
-                  "LlamaForCausalLM": transformers.LlamaConfig}[arch]
+    # Qwen2ForCausalLM -> Qwen2Config, Gemma2ForCausalLM -> Gemma2Config, ...
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     config = config_cls(**shape, architectures=[arch], torch_dtype="float32")
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config)
