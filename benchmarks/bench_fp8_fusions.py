@@ -184,7 +184,7 @@ def bench_model(args: argparse.Namespace) -> list[dict]:
     torch._dynamo.config.recompile_limit = 64  # one compiled forward per configuration
     _ensure_compiled_llama()
     from vllm import LLM
-    from vllm.compilation.passes.matcher_utils import fusion_match_counter
+    from vllm.compilation.passes.fusion.matcher_utils import fusion_match_counter
 
     root = args.checkpoint_dir or tempfile.mkdtemp(prefix="fp8_bench_")
     path = os.path.join(root, "fp8-static")

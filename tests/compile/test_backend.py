@@ -10,7 +10,7 @@ from torch import nn
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.debug_dump import CompilationStageError
 from vllm.compilation.decorators import RecompileError, support_torch_compile
-from vllm.compilation.inductor_pass import VllmInductorPass
+from vllm.compilation.passes.inductor_pass import VllmInductorPass
 from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
 from vllm.config.compilation import CompilationMode
 
@@ -244,7 +244,7 @@ class BoomPass(VllmInductorPass):
 
 
 def test_pass_failure_names_the_pass(monkeypatch):
-    from vllm.compilation import pass_manager
+    from vllm.compilation.passes import pass_manager
 
     # Adding a pass is one registry line: (PassConfig flag, "module:Class").
     monkeypatch.setattr(pass_manager, "PASS_REGISTRY",

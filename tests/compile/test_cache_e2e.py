@@ -24,7 +24,7 @@ except ImportError:  # tests/ itself on sys.path
     from model_executor.hf_checkpoints import make_llama
 
 from vllm.compilation.cache import compute_cache_factors, compute_cache_key
-from vllm.compilation.pass_manager import PostGradPassManager
+from vllm.compilation.passes.pass_manager import PostGradPassManager
 from vllm.engine.arg_utils import EngineArgs
 
 NUM_PIECES = 3  # 2 attention layers: 3 compiled pieces

@@ -61,8 +61,8 @@ def test_each_piece_compile_logs_its_start_and_its_end(caplog):
 
 def test_the_piece_label_names_its_place_among_the_compiled_pieces():
     from vllm.compilation.backends import VllmBackend
-    from vllm.compilation.inductor_pass import Range
     from vllm.compilation.split import SplitItem
+    from vllm.config.utils import Range
 
     backend = VllmBackend(make_config())
     backend.pieces = [SplitItem(i, f"submod_{i}", i % 2 == 1, None) for i in range(5)]

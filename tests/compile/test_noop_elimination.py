@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from vllm.compilation.passes.noop_elimination import NoOpEliminationPass
-from vllm.compilation.passes.post_cleanup import PostCleanupPass
+from vllm.compilation.passes.utility.noop_elimination import NoOpEliminationPass
+from vllm.compilation.passes.utility.post_cleanup import PostCleanupPass
 
 aten = torch.ops.aten
 

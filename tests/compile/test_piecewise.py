@@ -9,10 +9,10 @@ from vllm.compilation.backends import split_graph
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.cuda_graph import CUDAGraphWrapper, FakeCUDAGraph, override_graph_factory
 from vllm.compilation.decorators import support_torch_compile
-from vllm.compilation.inductor_pass import Range, compile_ranges
 from vllm.compilation.piecewise_backend import PiecewiseBackend
 from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
 from vllm.config.compilation import CUDAGraphMode
+from vllm.config.utils import Range, compile_ranges
 from vllm.forward_context import BatchDescriptor, set_forward_context
 
 SILLY_OP = "silly_piecewise::attention"

@@ -17,7 +17,11 @@ from vllm.config import (
     PassConfig,
     VllmConfig,
 )
-from vllm.config.levels import LEVEL_CONTROLLED_FIELDS, OPTIMIZATION_LEVEL_TO_CONFIG
+from vllm.config.levels import (
+    LEVEL_CONTROLLED_FIELDS,
+    OPTIMIZATION_LEVEL_TO_CONFIG,
+    iter_level_defaults,
+)
 from vllm.platforms import reset_current_platform
 
 BOOL_FIELDS = [p for p in LEVEL_CONTROLLED_FIELDS
@@ -71,8 +75,9 @@ def test_explicit_values_survive_or_clear_error(explicit, level, model, platform
 
 def test_every_preset_key_names_a_real_field():
     for table in OPTIMIZATION_LEVEL_TO_CONFIG.values():
-        assert tuple(table) == LEVEL_CONTROLLED_FIELDS
-        for path in table:
+        paths = [path for path, _ in iter_level_defaults(table)]
+        assert tuple(paths) == LEVEL_CONTROLLED_FIELDS
+        for path in paths:
             *parents, leaf = path.split(".")
             cls = VllmConfig
             for part in parents:

@@ -15,7 +15,7 @@ import json, sys
 from vllm import LLM
 LLM(model="demo", optimization_level=0, kv_cache_memory="16MiB")
 print(json.dumps({name: name in sys.modules for name in (
-    "vllm.compilation.backends", "vllm.compilation.pass_manager", "torch._inductor",
+    "vllm.compilation.backends", "vllm.compilation.passes.pass_manager", "torch._inductor",
     "torch._dynamo", "torch.utils.cpp_extension")}))
 """
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.quantization.fp8_checkpoints import make_fp8_llama
 from vllm import LLM, SamplingParams
-from vllm.compilation.passes.matcher_utils import fusion_match_counter
+from vllm.compilation.passes.fusion.matcher_utils import fusion_match_counter
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys and values",
            "Hello world! How are you today?"]

@@ -27,12 +27,12 @@ from vllm.compilation.compiler_interface import graph_hash, make_compiler
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.compilation.debug_dump import CompilationStageError, DebugDumper
-from vllm.compilation.inductor_pass import Range, compile_ranges
 from vllm.compilation.monitor import get_startup_timer
-from vllm.compilation.pass_manager import PostGradPassManager
+from vllm.compilation.passes.pass_manager import PostGradPassManager
 from vllm.compilation.piecewise_backend import PiecewiseBackend
 from vllm.compilation.split import SplitItem, eager_runnable, op_names, split_graph  # noqa: F401
 from vllm.config.compilation import CUDAGraphMode
+from vllm.config.utils import Range, compile_ranges
 from vllm.logger import init_logger
 from vllm.utils.progress import waiting
 
@@ -290,7 +290,7 @@ class VllmBackend:
         compiled = [item.index for item in self.pieces if not item.is_splitting]
         place = (f"{compiled.index(piece_index) + 1}/{len(compiled)}"
                  if piece_index in compiled else str(piece_index))
-        tokens = (f"{compile_range.start} tokens" if compile_range.is_single_size
+        tokens = (f"{compile_range.start} tokens" if compile_range.is_single_size()
                   else f"tokens {compile_range}")
         return (f"piece {place} (graph piece {piece_index}, {tokens}) with "
                 f"{self.compiler.name}")

@@ -19,11 +19,12 @@ import torch
 import torch.fx as fx
 
 from vllm.compilation.counter import compilation_counter
-from vllm.compilation.inductor_pass import Range, pass_context
+from vllm.compilation.passes.inductor_pass import pass_context
+from vllm.config.utils import Range
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
-    from vllm.compilation.pass_manager import PostGradPassManager
+    from vllm.compilation.passes.pass_manager import PostGradPassManager
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
@@ -188,7 +189,7 @@ class InductorCompiler:
             patches["trace.debug_dir"] = os.path.join(dump_dir, "inductor")
             patches["fx_graph_cache"] = False  # a cache hit would write no trace
         self._prepare()
-        static = compile_range.is_single_size
+        static = compile_range.is_single_size()
         start = time.perf_counter()
         with pass_context(compile_range=compile_range, piece_index=piece_index,
                           dump_dir=dump_dir), inductor_cache_dir(cache_dir), \

@@ -53,10 +53,10 @@ from vllm.compilation.graph_runner import (  # noqa: F401 (re-exported)
     GuardMismatch,
     tensor_meta,
 )
-from vllm.compilation.inductor_pass import Range
 from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
 from vllm.compilation.piecewise_backend import PiecewiseBackend
 from vllm.compilation.split import SplitItem
+from vllm.config.utils import Range
 from vllm.logger import init_logger
 from vllm.utils.progress import waiting
 

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from vllm.compilation.compiler_interface import graph_digest
-from vllm.compilation.inductor_pass import Range
+from vllm.config.utils import Range
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:

@@ -9,7 +9,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.config.utils import check_bool_fields, config_from_dict, hash_fields
+from vllm.config.utils import (
+    Range,
+    check_bool_fields,
+    compile_ranges,
+    config_from_dict,
+    hash_fields,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -131,9 +137,36 @@ class PassConfig:
     """Attention output followed by static FP8 quantization -> attention writing FP8."""
     fuse_allreduce_rms: bool | None = None
     """Tensor-parallel all-reduce followed by RMSNorm -> one fused collective."""
+    # Upstream's flags for passes this engine does not have: accepted (so an upstream
+    # configuration parses), off at every level; set on, the pass manager warns that nothing
+    # is fused (docs/upstream-differences.md).
+    enable_qk_norm_rope_fusion: bool | None = None
+    """Q/K RMSNorm followed by rotary embedding -> one op (needs the rotary_embedding custom
+    op). No pass here."""
+    enable_sp: bool | None = None
+    """Sequence parallelism (needs tensor parallelism). No pass here."""
+    fuse_gemm_comms: bool | None = None
+    """AsyncTP: GEMMs overlapped with their collectives (implies enable_sp). No pass here."""
+    fuse_act_padding: bool | None = None
+    """ROCm: RMSNorm with padding of the hidden size. No pass here."""
+    fuse_mla_dual_rms_norm: bool | None = None
+    """ROCm: the two RMSNorms of MLA's latent projections. No pass here."""
+    fuse_rope_kvcache: bool | None = None
+    """ROCm: rotary embedding followed by the KV-cache write. No pass here."""
+    fuse_qk_norm_rope_kvcache: bool | None = None
+    """ROCm: Q/K norm, rotary embedding and the KV-cache write. No pass here."""
+    fuse_rope_kvcache_cat_mla: bool | None = None
+    """MLA: rotary embedding, concatenation and the KV-cache write. No pass here."""
+    sp_min_token_num: int | None = None
+    """Smallest token count sequence parallelism would run for. No pass here."""
 
     def __post_init__(self) -> None:
         check_bool_fields(self, "pass_config")
+        if self.sp_min_token_num is not None and (
+                not isinstance(self.sp_min_token_num, int)
+                or isinstance(self.sp_min_token_num, bool) or self.sp_min_token_num < 1):
+            raise ValueError("pass_config.sp_min_token_num must be a positive integer, got "
+                             f"{self.sp_min_token_num!r}")
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "pass_config") -> PassConfig:
@@ -193,6 +226,10 @@ class CompilationConfig:
     """Compile cache directory ("" = derived from VLLM_CACHE_ROOT and the config hash)."""
     debug_dump_path: str | None = None
     """Write graphs, pieces and the resolved config here for debugging."""
+    max_num_batched_tokens: int | None = field(default=None, init=False, repr=False,
+                                               compare=False)
+    """The resolved token budget (scheduler_config's), recorded by `VllmConfig` for
+    `get_compile_ranges()`; not a setting."""
 
     def __post_init__(self) -> None:
         if self.mode is not None:
@@ -266,6 +303,13 @@ class CompilationConfig:
         if both:
             raise ValueError("custom_ops cannot both enable and disable the same operation(s): "
                              + ", ".join(both))
+        pass_config = self.pass_config
+        if (isinstance(pass_config, PassConfig) and pass_config.enable_qk_norm_rope_fusion
+                and "rotary_embedding" in disabled):
+            raise ValueError(
+                "custom_ops cannot both enable and disable the same operation(s): "
+                "rotary_embedding (pass_config.enable_qk_norm_rope_fusion needs the "
+                "rotary_embedding custom op, custom_ops disables it with -rotary_embedding)")
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "compilation_config") -> CompilationConfig:
@@ -295,10 +339,22 @@ class CompilationConfig:
     def splitting_ops_or_default(self) -> list[str]:
         return list(self.splitting_ops or [])
 
+    def get_compile_ranges(self) -> list[Range]:
+        """The token-count ranges each piece is compiled for with a dynamic batch dimension:
+        [1, e0], [e0+1, e1], ..., [e_last+1, max_num_batched_tokens], split at
+        `compile_ranges_endpoints`. Known once `VllmConfig` has resolved the token budget
+        (it records it here); before that, a ValueError."""
+        if self.max_num_batched_tokens is None:
+            raise ValueError("compile ranges are known once VllmConfig has resolved "
+                             "scheduler_config.max_num_batched_tokens; build the VllmConfig "
+                             "first")
+        return compile_ranges(self.compile_ranges_endpoints, self.max_num_batched_tokens)
+
     def compute_hash(self) -> str:
         """Hash of everything here that changes the compiled graph (not paths, warm-up counts or
         which CUDA graphs are captured: the capture sizes follow max_num_seqs, and a size that
         is also compiled statically is in the expanded `compile_sizes`)."""
         return hash_fields(self, exclude=("cache_dir", "debug_dump_path",
                                           "cudagraph_num_of_warmups", "cudagraph_capture_sizes",
-                                          "max_cudagraph_capture_size"))
+                                          "max_cudagraph_capture_size",
+                                          "max_num_batched_tokens"))

@@ -1,14 +1,16 @@
 """The optimization-level presets: one static table of defaults per level (data).
 
-A preset value is either a constant or a `Cond`, a function of the whole `VllmConfig` with a
-one-line description; `VllmConfig.__post_init__` applies the table to unset (`None`) leaves
-only. Keys are dotted paths from the `VllmConfig` root.
+`OPTIMIZATION_LEVEL_TO_CONFIG[level]` is nested the way the configs are: the key
+`"compilation_config"` holds the `CompilationConfig` fields a level sets and, under
+`"pass_config"`, the `PassConfig` flags. A value is a constant or a named predicate: a
+function of the whole `VllmConfig`, whose docstring's first line says what it asks (that line
+is the reason `vllm config` shows). `VllmConfig.__post_init__` applies the table to unset
+(`None`) leaves only, so a level never overrides an explicit value.
 """
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.config.compilation import CompilationMode, CUDAGraphMode
@@ -49,35 +51,39 @@ class OptimizationLevel(enum.IntEnum):
                          "(or O0, O1, O2, O3)")
 
 
-@dataclass(frozen=True)
-class Cond:
-    """A preset value computed from the whole config, with what it asks in words."""
+# ---- predicates: the conditional defaults ---------------------------------------------------
+def enable_norm_fusion(cfg: VllmConfig) -> bool:
+    """model is FP8-quantized
 
-    fn: Callable[[VllmConfig], Any]
-    description: str
-
-    def __call__(self, config: VllmConfig) -> Any:
-        return self.fn(config)
-
-
-def _is_fp8(cfg: VllmConfig) -> bool:
+    RMSNorm (+ residual add) followed by FP8 quantization is fused into one op; without FP8
+    there is no quantization to fuse."""
     return cfg.model_config is not None and cfg.model_config.is_fp8
 
 
-def _fp8_static(cfg: VllmConfig) -> bool:
+def enable_act_fusion(cfg: VllmConfig) -> bool:
+    """model is FP8-quantized
+
+    SiluAndMul followed by FP8 quantization is fused into one op; without FP8 there is no
+    quantization to fuse."""
+    return cfg.model_config is not None and cfg.model_config.is_fp8
+
+
+def enable_attn_fusion(cfg: VllmConfig) -> bool:
+    """model is FP8 with static activation scales
+
+    Attention can write FP8 directly only when the scale of the next layer's input is a
+    constant of the checkpoint."""
     return cfg.model_config is not None and cfg.model_config.has_static_activation_scales
 
 
-def _tp_allreduce(cfg: VllmConfig) -> bool:
+def enable_allreduce_rms_fusion(cfg: VllmConfig) -> bool:
+    """tensor_parallel_size > 1 and the platform has the fused all-reduce kernel
+
+    With one rank there is no all-reduce to fuse."""
     return (cfg.parallel_config.tensor_parallel_size > 1
             and cfg.platform.supports_allreduce_rms_fusion(cfg))
 
 
-IS_FP8 = Cond(_is_fp8, "model is FP8-quantized")
-FP8_STATIC = Cond(_fp8_static, "model is FP8 with static activation scales")
-TP_ALLREDUCE = Cond(_tp_allreduce,
-                    "tensor_parallel_size > 1 and the platform has the fused all-reduce kernel")
-ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(), "platform is the CPU")
 # CPU, measured on the demo model (float32, 2 cores, decode-shaped forwards of the compiled
 # model, paired rounds; benchmarks/bench_level_switches.py, results/cpu_levels.md): linear
 # weights reordered for oneDNN once and used through an opaque op (the weights stay graph
@@ -85,9 +91,13 @@ ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(), "platform is the CPU")
 # plain weights and batch-1 decode alike (x1.00: 1-4 rows take the small-M kernel anyway).
 # The LM head is prepacked too: on the Qwen2.5-0.5B shape its 16-row product takes 14 ms
 # instead of 25 ms, batch-16 decode against -O0 x1.26 -> x1.33 (benchmarks/bench_levels.py).
-PREPACK_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
-                      "platform is the CPU (prepacked oneDNN linears: decode x1.15-1.20 at "
-                      "batch 16, x1.00 at batch 1 vs O1; cacheable)")
+def prepack_on_cpu(cfg: VllmConfig) -> bool:
+    """platform is the CPU (prepacked oneDNN linears: decode x1.15-1.20 at batch 16, x1.00 at batch 1 vs O1; cacheable)
+
+    Prepacking reorders float32 linear weights for oneDNN's GEMM once after loading; other
+    platforms have no such kernel."""  # noqa: E501
+    return cfg.platform.is_cpu()
+
 
 # CPU, measured with benchmarks/bench_level_switches.py (paired rounds of decode-shaped
 # forwards, results/cpu_levels.md): Inductor's C++ wrapper (the compiled code's host side in
@@ -97,70 +107,111 @@ PREPACK_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
 # one build); over O3's whole graph x1.15 / x1.07 (demo), x1.00 / x1.01 (0.5B shape, whose
 # whole-graph build it lengthens 19 -> 40 s). Warm starts load the built wrappers without
 # Inductor.
-CPP_WRAPPER_ON_CPU = Cond(lambda cfg: cfg.platform.is_cpu(),
-                          "platform is the CPU (C++ host code: decode x1.07 / x1.06 at batch 1 / "
-                          "16 on the demo model, x1.03 / x1.00 on the 0.5B shape, no longer "
-                          "cold start)")
+def cpp_wrapper_on_cpu(cfg: VllmConfig) -> bool:
+    """platform is the CPU (C++ host code: decode x1.07 / x1.06 at batch 1 / 16 on the demo model, x1.03 / x1.00 on the 0.5B shape, no longer cold start)
+
+    On CUDA the host code is replayed as CUDA graphs instead."""  # noqa: E501
+    return cfg.platform.is_cpu()
+
+
+def describe(predicate: Callable[..., Any]) -> str:
+    """What a predicate asks, in words: the first line of its docstring."""
+    doc = (predicate.__doc__ or "").strip()
+    return doc.splitlines()[0].strip() if doc else getattr(predicate, "__name__", "")
+
 
 # Token counts that get their own static-shape compile at O3: the common decode batch sizes.
 O3_COMPILE_SIZES = [1, 2, 4, 8, 16]
 
-_CC = "compilation_config"
-_PC = "compilation_config.pass_config"
+# Upstream's pass flags for which this engine has no pass: off at every level (a user may
+# still set one; the pass manager then warns that nothing is fused).
+_NO_PASS_HERE = ("enable_qk_norm_rope_fusion", "enable_sp", "fuse_gemm_comms",
+                 "fuse_act_padding", "fuse_mla_dual_rms_norm", "fuse_rope_kvcache",
+                 "fuse_qk_norm_rope_kvcache", "fuse_rope_kvcache_cat_mla")
 
-_O0 = {
-    f"{_CC}.mode": CompilationMode.NONE,
-    f"{_CC}.cudagraph_mode": CUDAGraphMode.NONE,
-    f"{_CC}.use_inductor_graph_partition": False,
-    f"{_CC}.freezing": False,
-    f"{_CC}.prepack_linear_weights": False,
-    f"{_CC}.max_autotune": False,
-    f"{_CC}.coordinate_descent_tuning": False,
-    f"{_CC}.cpp_wrapper": False,
-    f"{_CC}.compile_sizes": [],
-    f"{_PC}.eliminate_noops": False,
-    f"{_PC}.fuse_norm_quant": False,
-    f"{_PC}.fuse_act_quant": False,
-    f"{_PC}.fuse_attn_quant": False,
-    f"{_PC}.fuse_allreduce_rms": False,
+OPTIMIZATION_LEVEL_00: dict[str, Any] = {
+    "compilation_config": {
+        "mode": CompilationMode.NONE,
+        "cudagraph_mode": CUDAGraphMode.NONE,
+        "use_inductor_graph_partition": False,
+        "freezing": False,
+        "prepack_linear_weights": False,
+        "max_autotune": False,
+        "coordinate_descent_tuning": False,
+        "cpp_wrapper": False,
+        "compile_sizes": [],
+        "pass_config": {
+            "eliminate_noops": False,
+            "fuse_norm_quant": False,
+            "fuse_act_quant": False,
+            "fuse_attn_quant": False,
+            "fuse_allreduce_rms": False,
+            **dict.fromkeys(_NO_PASS_HERE, False),
+        },
+    },
 }
-_O1 = {
-    **_O0,
-    f"{_CC}.mode": CompilationMode.VLLM_COMPILE,
-    f"{_CC}.cudagraph_mode": CUDAGraphMode.PIECEWISE,
-    f"{_PC}.eliminate_noops": True,
-    f"{_PC}.fuse_norm_quant": IS_FP8,
-    f"{_PC}.fuse_act_quant": IS_FP8,
+OPTIMIZATION_LEVEL_01: dict[str, Any] = {
+    "compilation_config": {
+        **OPTIMIZATION_LEVEL_00["compilation_config"],
+        "mode": CompilationMode.VLLM_COMPILE,
+        "cudagraph_mode": CUDAGraphMode.PIECEWISE,
+        "pass_config": {
+            **OPTIMIZATION_LEVEL_00["compilation_config"]["pass_config"],
+            "eliminate_noops": True,
+            "fuse_norm_quant": enable_norm_fusion,
+            "fuse_act_quant": enable_act_fusion,
+        },
+    },
 }
-_O2 = {
-    **_O1,
-    f"{_CC}.cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
-    # Inductor freezing stays off: on the CPU it measured x0.85 / x1.30 (batch 1 / 16) against
-    # O1, and prepacking (below) x1.18 / x0.89 against freezing; unlike freezing, prepacking
-    # leaves the weights out of the compiled code, so a warm start loads the code instead of
-    # compiling it again. -cc.freezing=true still opts in.
-    f"{_CC}.freezing": False,
-    f"{_CC}.prepack_linear_weights": PREPACK_ON_CPU,
-    f"{_CC}.cpp_wrapper": CPP_WRAPPER_ON_CPU,
-    f"{_PC}.fuse_attn_quant": FP8_STATIC,
-    f"{_PC}.fuse_allreduce_rms": TP_ALLREDUCE,
+OPTIMIZATION_LEVEL_02: dict[str, Any] = {
+    "compilation_config": {
+        **OPTIMIZATION_LEVEL_01["compilation_config"],
+        "cudagraph_mode": CUDAGraphMode.FULL_AND_PIECEWISE,
+        # Inductor freezing stays off: on the CPU it measured x0.85 / x1.30 (batch 1 / 16)
+        # against O1, and prepacking x1.18 / x0.89 against freezing; unlike freezing,
+        # prepacking leaves the weights out of the compiled code, so a warm start loads the
+        # code instead of compiling it again. -cc.freezing=true still opts in.
+        "freezing": False,
+        "prepack_linear_weights": prepack_on_cpu,
+        "cpp_wrapper": cpp_wrapper_on_cpu,
+        "pass_config": {
+            **OPTIMIZATION_LEVEL_01["compilation_config"]["pass_config"],
+            "fuse_attn_quant": enable_attn_fusion,
+            "fuse_allreduce_rms": enable_allreduce_rms_fusion,
+        },
+    },
 }
 # CUDA -O3: not measured against -O2 yet. On a lent H200 (torch 2.11) the cold -O3 start of
 # a 2-layer test model took over 170 s (max-autotune of every GEMM per compile size, on a
 # machine loaded by a parallel test run); -O1/-O2 there matched -O0 token for token. The CPU
 # narrows these switches off where they measured no faster (vllm/platforms/cpu.py).
-_O3 = {
-    **_O2,
-    f"{_CC}.max_autotune": True,
-    f"{_CC}.coordinate_descent_tuning": True,
-    f"{_CC}.compile_sizes": O3_COMPILE_SIZES,
+OPTIMIZATION_LEVEL_03: dict[str, Any] = {
+    "compilation_config": {
+        **OPTIMIZATION_LEVEL_02["compilation_config"],
+        "max_autotune": True,
+        "coordinate_descent_tuning": True,
+        "compile_sizes": O3_COMPILE_SIZES,
+    },
 }
 
 OPTIMIZATION_LEVEL_TO_CONFIG: dict[OptimizationLevel, dict[str, Any]] = {
-    OptimizationLevel.O0: _O0,
-    OptimizationLevel.O1: _O1,
-    OptimizationLevel.O2: _O2,
-    OptimizationLevel.O3: _O3,
+    OptimizationLevel.O0: OPTIMIZATION_LEVEL_00,
+    OptimizationLevel.O1: OPTIMIZATION_LEVEL_01,
+    OptimizationLevel.O2: OPTIMIZATION_LEVEL_02,
+    OptimizationLevel.O3: OPTIMIZATION_LEVEL_03,
 }
 
-LEVEL_CONTROLLED_FIELDS: tuple[str, ...] = tuple(_O0)
+
+def iter_level_defaults(table: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path from the `VllmConfig` root, value) for every leaf of a level's table."""
+    for key, value in table.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            yield from iter_level_defaults(value, path)
+        else:
+            yield path, value
+
+
+LEVEL_CONTROLLED_FIELDS: tuple[str, ...] = tuple(
+    path for path, _ in iter_level_defaults(OPTIMIZATION_LEVEL_00))
+"""Every leaf a level sets, as dotted paths (the same at every level)."""

@@ -1,7 +1,7 @@
 """Scheduler settings: the per-step token budget and how many sequences run at once."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from vllm.config.utils import hash_fields
 
@@ -17,8 +17,19 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     """Cap on one request's prefill chunk per step (0 = no cap beyond the budget)."""
+    is_encoder_decoder: InitVar[bool] = False
+    """Upstream's init-only flag; only decoder-only models run here, so True is an error."""
 
-    def __post_init__(self) -> None:
+    @classmethod
+    def default_factory(cls, **kwargs) -> SchedulerConfig:
+        """A scheduler config with every value not given left to the platform default
+        (upstream's constructor for configs built outside `EngineArgs`)."""
+        return cls(**kwargs)
+
+    def __post_init__(self, is_encoder_decoder: bool = False) -> None:
+        if is_encoder_decoder:
+            raise ValueError("is_encoder_decoder=True: encoder-decoder models are not "
+                             "supported by this engine (decoder-only models only)")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

@@ -20,6 +20,42 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """An inclusive range of token counts [start, end] that a graph is compiled for."""
+
+    start: int
+    end: int
+
+    def __contains__(self, n: object) -> bool:
+        return isinstance(n, int) and self.start <= n <= self.end
+
+    def is_single_size(self) -> bool:
+        """A range of one size: compiled with static shapes (a `compile_sizes` entry)."""
+        return self.start == self.end
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end}]"
+
+    @property
+    def tag(self) -> str:
+        """Short name used in file names: "size_16" or "range_1_2048"."""
+        if self.is_single_size():
+            return f"size_{self.start}"
+        return f"range_{self.start}_{self.end}"
+
+
+def compile_ranges(endpoints: list[int] | None, max_num_batched_tokens: int) -> list[Range]:
+    """[1, e0], [e0+1, e1], ..., [e_last+1, max_num_batched_tokens] for endpoints strictly
+    between 1 and max_num_batched_tokens (others are ignored)."""
+    points = sorted({e for e in (endpoints or []) if 1 < e < max_num_batched_tokens})
+    ranges, start = [], 1
+    for end in [*points, max_num_batched_tokens]:
+        ranges.append(Range(start, end))
+        start = end + 1
+    return ranges
+
+
 def parse_human_size(value: Any, what: str = "size") -> int:
     """Parse 4GiB, 512MB, 80m, 2k, 1024 into an integer count (bytes or items)."""
     if isinstance(value, bool):

@@ -21,8 +21,9 @@ from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGrap
 from vllm.config.levels import (
     LEVEL_CONTROLLED_FIELDS,
     OPTIMIZATION_LEVEL_TO_CONFIG,
-    Cond,
     OptimizationLevel,
+    describe,
+    iter_level_defaults,
 )
 from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
@@ -87,6 +88,7 @@ class VllmConfig:
         self._resolve_cudagraph_mode()
         self._set_cudagraph_sizes()
         self._set_compile_sizes()
+        self._set_compile_ranges()
         self.platform.check_and_update_config(self)
         self._set_debug_dump_path()
 
@@ -137,13 +139,15 @@ class VllmConfig:
                       Provenance("env TORCH_COMPILE_DISABLE", "torch.compile disabled by env"))
 
     def _apply_level_preset(self) -> None:
+        """Fill every leaf of the level's table that is still unset (`None`); a predicate is
+        called with this config and its answer recorded with what it asked."""
         level = self.optimization_level
-        for path, preset in OPTIMIZATION_LEVEL_TO_CONFIG[level].items():
+        for path, preset in iter_level_defaults(OPTIMIZATION_LEVEL_TO_CONFIG[level]):
             if self.get_path(path) is not None:
                 continue
-            if isinstance(preset, Cond):
+            if callable(preset):
                 value = bool(preset(self))
-                reason = f"{preset.description}: {'yes' if value else 'no'}"
+                reason = f"{describe(preset)}: {'yes' if value else 'no'}"
             else:
                 value, reason = (list(preset) if isinstance(preset, list) else preset), ""
             self._set(path, value, Provenance(f"level O{int(level)}", reason))
@@ -305,6 +309,12 @@ class VllmConfig:
                 if item <= self.scheduler_config.max_num_batched_tokens and item not in expanded:
                     expanded.append(int(item))
         cc.compile_sizes = sorted(expanded)
+
+    def _set_compile_ranges(self) -> None:
+        """Record the resolved token budget on the compilation config, so that
+        `compilation_config.get_compile_ranges()` can answer."""
+        self.compilation_config.max_num_batched_tokens = (
+            self.scheduler_config.max_num_batched_tokens)
 
     def _set_debug_dump_path(self) -> None:
         from vllm import envs

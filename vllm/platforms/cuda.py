@@ -82,7 +82,7 @@ class CudaPlatform(Platform):
         # The fused kernel (FlashInfer / TRT-LLM all-reduce) exists for Hopper and datacenter
         # Blackwell; a simulated platform without a GPU reports it unsupported. Nor is there
         # a pass that would call it yet: the level must not claim the fusion.
-        from vllm.compilation.pass_manager import has_pass
+        from vllm.compilation.passes.pass_manager import has_pass
 
         if not has_pass("fuse_allreduce_rms"):
             return False

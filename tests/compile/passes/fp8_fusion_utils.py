@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from vllm.compilation.passes.post_cleanup import PostCleanupPass
+from vllm.compilation.passes.utility.post_cleanup import PostCleanupPass
 
 QUANT_OPS = ("vllm.static_scaled_fp8_quant.default", "vllm.dynamic_scaled_fp8_quant.default")
 FUSED_RMS = ("vllm.rms_norm_static_fp8_quant.default",

@@ -12,9 +12,9 @@ import torch.nn as nn
 from tests.compile.passes.fp8_fusion_utils import QUANT_OPS, assert_fp8_close, compile_with_passes
 from vllm.attention.backends.torch_sdpa import TorchSDPAMetadataBuilder
 from vllm.attention.layer import Attention, bind_kv_cache
-from vllm.compilation.passes import matcher_utils as mu
-from vllm.compilation.passes.attn_quant_fusion import AttnQuantFusionPass
-from vllm.compilation.passes.noop_elimination import NoOpEliminationPass
+from vllm.compilation.passes.fusion import matcher_utils as mu
+from vllm.compilation.passes.fusion.attn_quant_fusion import AttnQuantFusionPass
+from vllm.compilation.passes.utility.noop_elimination import NoOpEliminationPass
 from vllm.config import CacheConfig, CompilationConfig, VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from tests.compile.passes.fp8_fusion_utils import compile_with_passes
-from vllm.compilation.passes.noop_elimination import NoOpEliminationPass
-from vllm.compilation.passes.rms_quant_fusion import RMSNormQuantFusionPass
+from vllm.compilation.passes.fusion.rms_quant_fusion import RMSNormQuantFusionPass
+from vllm.compilation.passes.utility.noop_elimination import NoOpEliminationPass
 from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear

@@ -9,8 +9,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests.config import model_configs
-from vllm.compilation import pass_manager as pm
-from vllm.compilation.passes import matcher_utils as mu
+from vllm.compilation.passes import pass_manager as pm
+from vllm.compilation.passes.fusion import matcher_utils as mu
 from vllm.config import CompilationConfig, PassConfig, VllmConfig
 
 ALL = {"eliminate_noops": True, "fuse_norm_quant": True, "fuse_act_quant": True,
@@ -133,7 +133,7 @@ def test_tracing_patterns_builds_the_cpu_kernels_only_for_a_cpu_model(monkeypatc
     monkeypatch.setattr(cpu_loader, "load_cpu_extension",
                         lambda *a, **k: builds.append(a[0]) or False)
     monkeypatch.setattr(cpu_kernels, "load_cpu_extension", cpu_loader.load_cpu_extension)
-    from vllm.compilation.passes.rms_quant_fusion import RMSNormQuantFusionPass
+    from vllm.compilation.passes.fusion.rms_quant_fusion import RMSNormQuantFusionPass
 
     RMSNormQuantFusionPass(config(model_configs.fp8("static"), fuse_norm_quant=True))
     assert cpu_loader._allowed  # restored after the registration

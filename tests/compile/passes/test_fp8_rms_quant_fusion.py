@@ -15,8 +15,8 @@ from tests.compile.passes.fp8_fusion_utils import (
     assert_fp8_close,
     compile_with_passes,
 )
-from vllm.compilation.passes import matcher_utils as mu
-from vllm.compilation.passes.rms_quant_fusion import RMSNormQuantFusionPass
+from vllm.compilation.passes.fusion import matcher_utils as mu
+from vllm.compilation.passes.fusion.rms_quant_fusion import RMSNormQuantFusionPass
 from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8

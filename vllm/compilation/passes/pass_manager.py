@@ -20,9 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from vllm.compilation.inductor_pass import VllmInductorPass, get_pass_context, source_hash
-from vllm.compilation.passes.fix_functionalization import FixFunctionalizationPass
-from vllm.compilation.passes.post_cleanup import PostCleanupPass
+from vllm.compilation.passes.inductor_pass import (
+    InductorPass,
+    VllmInductorPass,
+    get_pass_context,
+    source_hash,
+)
+from vllm.compilation.passes.utility.fix_functionalization import FixFunctionalizationPass
+from vllm.compilation.passes.utility.post_cleanup import PostCleanupPass
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -33,12 +38,16 @@ logger = init_logger(__name__)
 # Order matters (upstream's): no-op elimination first (it exposes patterns), then the
 # all-reduce fusion's place, RMSNorm+quant, SiluMul+quant, attention+quant.
 PASS_REGISTRY: list[tuple[str, str]] = [
-    ("eliminate_noops", "vllm.compilation.passes.noop_elimination:NoOpEliminationPass"),
-    ("fuse_norm_quant", "vllm.compilation.passes.rms_quant_fusion:RMSNormQuantFusionPass"),
-    ("fuse_act_quant", "vllm.compilation.passes.act_quant_fusion:ActivationQuantFusionPass"),
-    ("fuse_attn_quant", "vllm.compilation.passes.attn_quant_fusion:AttnQuantFusionPass"),
+    ("eliminate_noops", "vllm.compilation.passes.utility.noop_elimination:NoOpEliminationPass"),
+    ("fuse_norm_quant", "vllm.compilation.passes.fusion.rms_quant_fusion:RMSNormQuantFusionPass"),
+    ("fuse_act_quant", "vllm.compilation.passes.fusion.act_quant_fusion:ActivationQuantFusionPass"),
+    ("fuse_attn_quant", "vllm.compilation.passes.fusion.attn_quant_fusion:AttnQuantFusionPass"),
 ]
-FUSION_FLAGS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms")
+FUSION_FLAGS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms",
+                # upstream's flags this engine has no pass for (a warning if set on):
+                "enable_qk_norm_rope_fusion", "enable_sp", "fuse_gemm_comms", "fuse_act_padding",
+                "fuse_mla_dual_rms_norm", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache",
+                "fuse_rope_kvcache_cat_mla")
 
 
 def has_pass(flag: str) -> bool:
@@ -54,11 +63,21 @@ def _build(path: str, vllm_config: VllmConfig | None) -> VllmInductorPass:
     return cls(vllm_config) if takes_config else cls()
 
 
+class NotAPassError(TypeError, AssertionError):
+    """`PostGradPassManager.add` was given something that is not an `InductorPass` (a
+    TypeError; also an AssertionError, which upstream's manager raises there)."""
+
+
+def _matched(graph_pass: InductorPass) -> int:
+    """Rewrites a pass did in this process (0 for passes that do not count them)."""
+    return int(getattr(graph_pass, "total_matched", 0))
+
+
 class PostGradPassManager:
     """Runs the configured passes in order on one graph; reports matches per pass."""
 
     def __init__(self) -> None:
-        self.passes: list[VllmInductorPass] = []
+        self.passes: list[InductorPass] = []
         self.post_cleanup = PostCleanupPass()
         self.fix_functionalization = FixFunctionalizationPass()
         self.pass_config_hash = ""
@@ -71,7 +90,7 @@ class PostGradPassManager:
         self.pass_config_hash = pass_config.compute_hash()
         self.fp8_model = bool(getattr(vllm_config.model_config, "is_fp8", False))
         wanted = [flag for flag in FUSION_FLAGS if getattr(pass_config, flag, False)]
-        fusions = [flag[len("fuse_"):] for flag in wanted if has_pass(flag)]
+        fusions = [flag.removeprefix("fuse_") for flag in wanted if has_pass(flag)]
         logger.info("Enabled fusions: %s", ", ".join(fusions) or "none")
         for flag in wanted:
             if not has_pass(flag):
@@ -89,20 +108,25 @@ class PostGradPassManager:
             logger.info("Graph passes did not run (every piece was loaded from a compile "
                         "cache: ours, or Inductor's own FX-graph cache)")
             return
-        counts = ", ".join(f"{p.name}={p.total_matched}" for p in self.passes)
+        counts = ", ".join(f"{p.name}={_matched(p)}" for p in self.passes)
         logger.info("Graph passes over %d graph(s): %s", self.num_graphs, counts or "none")
         for p in self.passes:
-            if self.fp8_model and p.name.endswith("FusionPass") and p.total_matched == 0:
+            if self.fp8_model and p.name.endswith("FusionPass") and _matched(p) == 0:
                 logger.warning("%s is enabled but matched nothing on this FP8 model: the "
                                "graph does not hold the pattern it fuses (a changed layer, "
                                "dtype, epsilon or custom-op form?)", p.name)
 
-    def add(self, graph_pass: VllmInductorPass) -> None:
-        if not isinstance(graph_pass, VllmInductorPass):
-            raise TypeError(f"{graph_pass!r} is not a VllmInductorPass")
+    def add(self, graph_pass: InductorPass) -> None:
+        """Append a pass (it runs after the configured ones, before the clean-up). A plain
+        callable is refused: wrap it as `CallableInductorPass(fn)` so it has a uuid."""
+        if not isinstance(graph_pass, InductorPass):
+            raise NotAPassError(
+                f"{graph_pass!r} is not an InductorPass: subclass InductorPass or wrap a "
+                "callable as CallableInductorPass(fn), so that it has a uuid() for the "
+                "compile caches' keys")
         self.passes.append(graph_pass)
 
-    def all_passes(self) -> list[VllmInductorPass]:
+    def all_passes(self) -> list[InductorPass]:
         return [*self.passes, self.post_cleanup, self.fix_functionalization]
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -128,7 +152,7 @@ class PostGradPassManager:
 
     def match_counts(self) -> dict[str, int]:
         """Rewrites per pass over this process (the fusion tests read these)."""
-        return {p.name: p.total_matched for p in self.all_passes()}
+        return {p.name: _matched(p) for p in self.all_passes()}
 
     def as_inductor_pass(self) -> object:
         """This manager as an Inductor `CustomGraphPass` (Inductor's FX graph cache takes its

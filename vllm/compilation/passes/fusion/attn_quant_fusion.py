@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from vllm.compilation.inductor_pass import VllmInductorPass
-from vllm.compilation.passes import matcher_utils as mu
+from vllm.compilation.passes.fusion import matcher_utils as mu
+from vllm.compilation.passes.inductor_pass import VllmInductorPass
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:

@@ -348,7 +348,7 @@ def merge_converts(graph: fx.Graph, copies: list[fx.Node]) -> None:
 def dependency_hash() -> str:
     """Hash of the sources the patterns and replacements come from (this module, the layers
     whose forwards are traced, the quant op definitions)."""
-    from vllm.compilation.inductor_pass import source_hash
+    from vllm.compilation.passes.inductor_pass import source_hash
     from vllm.model_executor.kernels import fp8_ops
     from vllm.model_executor.layers import activation, layernorm
     from vllm.model_executor.layers.quantization import input_quant_fp8

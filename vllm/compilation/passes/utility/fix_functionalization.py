@@ -13,7 +13,7 @@ import operator
 
 import torch.fx as fx
 
-from vllm.compilation.inductor_pass import VllmInductorPass
+from vllm.compilation.passes.inductor_pass import VllmInductorPass
 
 try:
     from torch._higher_order_ops.auto_functionalize import auto_functionalized

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from vllm.compilation.inductor_pass import VllmInductorPass
+from vllm.compilation.passes.inductor_pass import VllmInductorPass
 
 aten = torch.ops.aten
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from vllm.compilation.inductor_pass import VllmInductorPass
+from vllm.compilation.passes.inductor_pass import VllmInductorPass
 
 
 class PostCleanupPass(VllmInductorPass):
