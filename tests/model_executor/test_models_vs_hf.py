@@ -222,3 +222,28 @@ def test_bfloat16_model_runs_close_to_float32(checkpoints):
     assert logits.dtype == torch.float32
     reference = hf_logits(path, {"p": prompt})["p"]
     torch.testing.assert_close(logits, reference, atol=0.15, rtol=0.05)
+
+
+@pytest.mark.parametrize("family, norm_names, identity", [
+    ("gpt2", ("ln_1", "ln_2", "ln_f"), 1.0),      # nn.LayerNorm
+    ("gemma2", ("layernorm", "norm"), 0.0),       # GemmaRMSNorm: (1 + w), identity at 0
+    ("qwen3", ("layernorm", "q_norm", "norm"), 1.0)])
+def test_dummy_norms_are_the_identity(checkpoints, tmp_path, family, norm_names, identity):
+    """load_format="dummy": every norm's weight is its identity scale and its bias 0, so
+    dummy benchmarks see activations of a normal size."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    path = checkpoints(family)
+    (folder / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    config = VllmConfig(model_config=ModelConfig(model=str(folder), dtype="float32"),
+                        optimization_level=0)
+    model = get_model(config, load_format="dummy")
+    checked = 0
+    for name, param in model.named_parameters():
+        module_name, _, kind = name.rpartition(".")
+        if not module_name.rsplit(".", 1)[-1].endswith(norm_names):
+            continue
+        expected = identity if kind == "weight" else 0.0
+        assert torch.all(param == expected), name
+        checked += 1
+    assert checked >= 5

@@ -1,12 +1,16 @@
-"""Build a model from its Hugging Face folder: meta-device construction, then safetensors.
+"""Build a model from its Hugging Face folder: meta-device construction, then the weights.
 
 `get_model(vllm_config, load_format="auto")`:
  1. picks the class from `hf_config.architectures` (ModelRegistry);
  2. builds it on the meta device under `set_current_vllm_config` with the model dtype as
     torch's default dtype (no memory is touched, custom ops pick their forward);
  3. materialises every parameter on the platform device (ties and weight loaders kept);
- 4. loads `*.safetensors` (one file, or shards listed in model.safetensors.index.json)
-    through the parameters' weight loaders, or fills random weights for load_format="dummy";
+ 4. loads `*.safetensors` (one file, or shards listed in model.safetensors.index.json) or,
+    only for a folder without any safetensors, PyTorch `*.bin` files (pytorch_model.bin or the
+    shards of pytorch_model.bin.index.json; torch.load with weights_only=True, memory-mapped)
+    through the parameters' weight loaders, or fills random weights for load_format="dummy".
+    A Hugging Face Hub model's weight files are downloaded first (at the commit its config
+    was resolved to; nothing is fetched when the cache holds them);
  5. checks every parameter (and every part of a packed one) was loaded.
 Every user-facing failure is a ValueError naming the file or tensor.
 """
@@ -31,6 +35,7 @@ logger = init_logger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 SAFE_INDEX_NAME = "model.safetensors.index.json"
+BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 
 
 class WeightFileError(ValueError):
@@ -47,7 +52,7 @@ def get_model(vllm_config: Any, load_format: str | None = "auto") -> nn.Module:
     load_format = _resolve_load_format(vllm_config, load_format)
     _check_tensor_parallel(vllm_config)
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architectures)
-    files = weight_files(model_config.model) if load_format != "dummy" else []
+    files = _model_weight_files(model_config) if load_format != "dummy" else []
     dtype = model_config.torch_dtype or torch.float32
     device = vllm_config.platform.torch_device()
     with set_current_vllm_config(vllm_config), _default_dtype(dtype), torch.device("meta"):
@@ -128,28 +133,78 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
             module._buffers[name] = buf.to(device)
 
 
+def _model_weight_files(model_config: Any) -> list[str]:
+    """The weight files of the model: a Hub model's are fetched into its snapshot first."""
+    snapshot = getattr(model_config, "hub_snapshot", None)
+    if snapshot is not None:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.transformers_utils.hub import download_weights
+
+        download_weights(snapshot, show_progress=get_tensor_model_parallel_rank() == 0)
+    return weight_files(getattr(model_config, "model_path", model_config.model))
+
+
 def weight_files(folder: str) -> list[str]:
-    """The safetensors files of a model folder (the index's shards, or every *.safetensors)."""
-    index_path = os.path.join(folder, SAFE_INDEX_NAME)
-    if os.path.isfile(index_path):
+    """The weight files of a model folder: the safetensors index's shards, or every
+    *.safetensors; only when the folder has no safetensors at all, the same for PyTorch *.bin
+    (pytorch_model.bin.index.json, or every *.bin but training state such as
+    training_args.bin). The rule is `vllm.transformers_utils.hub.weight_file_names`, which
+    also picks what a Hub model downloads."""
+    from vllm.transformers_utils.hub import weight_file_names
+
+    def read_index(name: str) -> Any:
+        index_path = os.path.join(folder, name)
         try:
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError("no weight_map entries")
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"cannot read the safetensors index {index_path!r}: {exc}") from exc
-        files = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
-        missing = [path for path in files if not os.path.isfile(path)]
-        if missing:
-            raise ValueError(f"{index_path!r} lists weight files that do not exist: "
-                             + ", ".join(missing))
-        return files
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        others = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.bin")))
-        hint = (f" (found {', '.join(others)}: PyTorch .bin checkpoints are not supported; "
-                "convert them to safetensors)") if others else ""
-        raise ValueError(f"no *.safetensors weight files in model folder {folder!r}{hint}")
+            raise ValueError(f"cannot read the weight index {index_path!r}: {exc}") from exc
+        return {"weight_map": weight_map}
+
+    names = [os.path.basename(p) for p in glob.glob(os.path.join(folder, "*"))
+             if os.path.isfile(p)]
+    chosen = weight_file_names(names, read_index)
+    if not chosen:
+        raise ValueError(f"no *.safetensors weight files (and no PyTorch *.bin) in model folder "
+                         f"{folder!r}")
+    files = [os.path.join(folder, name) for name in chosen]
+    missing = [path for path in files if not os.path.isfile(path)]
+    if missing:
+        index = SAFE_INDEX_NAME if chosen[0].endswith(".safetensors") else BIN_INDEX_NAME
+        raise ValueError(f"{os.path.join(folder, index)!r} lists weight files that do not "
+                         "exist: " + ", ".join(missing))
     return files
+
+
+def _is_bin(path: str) -> bool:
+    return not path.endswith(".safetensors")
+
+
+def _load_bin(path: str) -> dict[str, torch.Tensor]:
+    """A PyTorch checkpoint's state dict: torch.load with weights_only=True (no code runs from
+    the file), memory-mapped where the file has the zip format (torch >= 1.6's default)."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+    except Exception as exc:  # torch raises pickle, zip and runtime errors here
+        raise WeightFileError(f"cannot read PyTorch weight file {path!r} (corrupt, truncated, or "
+                              f"not a plain tensor state dict?): {_first_line(exc)}") from exc
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise WeightFileError(f"PyTorch weight file {path!r} is not a state dict of named "
+                              "tensors")
+    return state
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _open_safetensors(path: str) -> Any:
@@ -163,17 +218,26 @@ def _open_safetensors(path: str) -> Any:
 
 
 def count_tensors(files: list[str]) -> int:
-    """How many tensors the files hold (read from their headers only: milliseconds)."""
+    """How many tensors the files hold (safetensors: read from their headers only,
+    milliseconds; *.bin: memory-mapped loads)."""
     total = 0
     for path in files:
+        if _is_bin(path):
+            total += len(_load_bin(path))
+            continue
         with _open_safetensors(path) as handle:
             total += len(handle.keys())
     return total
 
 
 def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file, tensor name, CPU tensor) for every tensor; a corrupt file is a ValueError."""
+    """(file, tensor name, CPU tensor) for every tensor of the safetensors (or PyTorch *.bin)
+    files; a corrupt file is a ValueError."""
     for path in files:
+        if _is_bin(path):
+            for name, tensor in _load_bin(path).items():
+                yield path, name, tensor
+            continue
         with _open_safetensors(path) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 try:
@@ -195,7 +259,8 @@ def load_safetensors_weights(model: nn.Module, files: list[str],
 
         show_progress = get_tensor_model_parallel_rank() == 0
     current: dict[str, str] = {}
-    bar = tqdm(total=count_tensors(files), desc="Loading safetensors weights", unit="tensor",
+    kind = "PyTorch .bin" if files and _is_bin(files[0]) else "safetensors"
+    bar = tqdm(total=count_tensors(files), desc=f"Loading {kind} weights", unit="tensor",
                disable=not show_progress, dynamic_ncols=True,
                postfix=f"{len(files)} file{'s' if len(files) > 1 else ''}")
 
@@ -251,15 +316,18 @@ def _checkpoint_name(model: nn.Module, param_name: str, shard: Any) -> str:
 
 
 def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarks: norms 1, biases 0, others N(0, 0.02) (seeded)."""
+    """Random weights for benchmarks: norms the identity (weight 1, or the module's
+    `identity_weight`: 0 for Gemma's (1 + w) norm), biases 0, others N(0, 0.02) (seeded)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and param.dim() == 1:
-                param.fill_(1.0)
-            elif name.endswith("bias"):
-                param.zero_()
-            else:
-                values = torch.empty(param.shape, dtype=torch.float32).normal_(
-                    0.0, 0.02, generator=generator)
-                param.copy_(values)
+        for module in model.modules():
+            is_norm = type(module).__name__.endswith("Norm")
+            for name, param in module.named_parameters(recurse=False):
+                if is_norm and name == "weight":
+                    param.fill_(getattr(module, "identity_weight", 1.0))
+                elif name.endswith("bias"):
+                    param.zero_()
+                else:
+                    values = torch.empty(param.shape, dtype=torch.float32).normal_(
+                        0.0, 0.02, generator=generator)
+                    param.copy_(values)

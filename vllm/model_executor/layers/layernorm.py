@@ -67,6 +67,9 @@ class GemmaRMSNorm(CustomOp):
     `residual` in x's dtype first (as those models' `residual + hidden` does), normalises
     that sum and returns `(y, sum)`. The norm runs over the last dimension of x."""
 
+    identity_weight = 0.0
+    """The weight that makes the scale 1 (dummy weights use it)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
