@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from tests.model_executor import test_models_vs_hf as models_vs_hf
+from tests.model_executor.hf_checkpoints import make_phi3
 from tests.model_executor.paged_runner import PagedRunner
-from tests.model_executor.test_models_vs_hf import (  # noqa: F401 (fixtures)
+from tests.model_executor.test_models_vs_hf import (
     ATOL,
-    _one_thread,
     build,
-    checkpoints,
     hf_logits,
     random_tokens,
     run_scenario,
@@ -38,17 +37,37 @@ def longrope(original: int, pairs: int = HEAD_DIM // 2, **extra) -> dict:
             "original_max_position_embeddings": original, **extra}
 
 
-def phi3(checkpoints, **overrides) -> str:
-    rope = overrides.pop("rope_parameters", None)
-    if rope is not None:  # transformers takes the pre-training length from the top level
-        overrides["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
-        overrides["rope_parameters"] = rope
-    return checkpoints("phi3", **overrides)
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    """phi3(**overrides) -> a tiny Phi-3 checkpoint folder (made once per overrides)."""
+    root = tmp_path_factory.mktemp("phi3")
+    made: dict[str, str] = {}
+
+    def get(**overrides) -> str:
+        rope = overrides.get("rope_parameters")
+        if rope is not None and "original_max_position_embeddings" in rope:
+            # transformers takes Phi-3's pre-training length from the top level.
+            overrides["original_max_position_embeddings"] = \
+                rope["original_max_position_embeddings"]
+        key = repr(sorted(overrides.items()))
+        if key not in made:
+            made[key] = make_phi3(root / f"phi3-{len(made)}", tokenizer=False, **overrides)
+        return made[key]
+
+    return get
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_phi3_matches_transformers(checkpoints, block_size):
-    path = phi3(checkpoints)
+def test_phi3_matches_transformers(phi3, block_size):
+    path = phi3()
     from safetensors import safe_open
 
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
@@ -64,10 +83,10 @@ def test_phi3_matches_transformers(checkpoints, block_size):
     run_scenario(path, block_size)
 
 
-def test_phi3_sliding_window_and_partial_rotary(checkpoints):
+def test_phi3_sliding_window_and_partial_rotary(phi3):
     """Phi-3-mini-4k sets sliding_window (2047): transformers applies it to every layer.
     A window of 8 bites on the scenario's prompts (up to 37 tokens)."""
-    path = phi3(checkpoints, sliding_window=8,
+    path = phi3(sliding_window=8,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 0.5,
                                  "original_max_position_embeddings": 512})
@@ -94,12 +113,12 @@ def build_with_max_model_len(max_model_len: int):
     (longrope(64, pairs=HEAD_DIM // 4, partial_rotary_factor=0.5, attention_factor=1.2), 1.2),
     (longrope(64, factor=4.0), math.sqrt(1 + math.log(4.0) / math.log(64))),
 ], ids=["defaults", "partial-attention-factor", "explicit-factor"])
-def test_longrope_short_factors_match_transformers(checkpoints, monkeypatch, rope,
+def test_longrope_short_factors_match_transformers(phi3, monkeypatch, rope,
                                                    attention_factor):
     """max_model_len 64 <= original_max_position_embeddings 64: the short factors and the
     attention factor, as transformers uses them on sequences of at most 64 tokens (the
     scenario's longest has 37)."""
-    path = phi3(checkpoints, rope_parameters=rope)
+    path = phi3(rope_parameters=rope)
     model, config = build(path)
     assert config.model_config.max_model_len == 512  # max_position_embeddings, as transformers
     assert model.model.layers[0].self_attn.rotary_emb.use_long_factors
@@ -113,14 +132,14 @@ def test_longrope_short_factors_match_transformers(checkpoints, monkeypatch, rop
 
 
 @torch.inference_mode()
-def test_longrope_caches_are_transformers_rotations(checkpoints):
+def test_longrope_caches_are_transformers_rotations(phi3):
     """The cache holds transformers' cos/sin for a sequence of max_model_len tokens: the short
     factors' for max_model_len <= original_max_position_embeddings (32), the long ones'
     (for every position) above it."""
     from transformers import AutoConfig
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    path = phi3(checkpoints, rope_parameters=longrope(32))
+    path = phi3(rope_parameters=longrope(32))
     hf = Phi3RotaryEmbedding(AutoConfig.from_pretrained(path))
     x = torch.zeros(1, 1, HEAD_DIM)
     caches = {}
@@ -153,14 +172,14 @@ def hf_logits_long_factors(path: str, sequences: dict[str, list[int]], original:
     return {key: model(torch.tensor([seq])).logits[0].float() for key, seq in sequences.items()}
 
 
-def test_longrope_long_factors_past_the_switch(checkpoints):
+def test_longrope_long_factors_past_the_switch(phi3):
     """original_max_position_embeddings 32, max_position_embeddings 512 = max_model_len:
     the long factors everywhere. Request "long" crosses position 32 in a chunked prefill and
     keeps decoding: transformers' logits exactly (it too uses the long factors for the whole
     of a sequence longer than 32). Request "short" (14 tokens) in the same batches gets
     transformers' logits under the long factors, not transformers' own short-factor logits
     (the documented difference)."""
-    path = phi3(checkpoints, rope_parameters=longrope(32))
+    path = phi3(rope_parameters=longrope(32))
     long_seq, short_seq = random_tokens(48, 21), random_tokens(14, 22)
     plain = hf_logits(path, {"long": long_seq, "short": short_seq})
     forced = hf_logits_long_factors(path, {"short": short_seq, "long": long_seq}, 32)
