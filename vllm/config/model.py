@@ -1,5 +1,10 @@
-"""The model: a local Hugging Face folder (config.json + safetensors + tokenizer), its dtype,
-its length limit, and the facts the level presets ask about (quantized? MoE?).
+"""The model: a local Hugging Face folder (config.json + safetensors + tokenizer) or a Hugging
+Face Hub repo id (fetched into the Hub cache: vllm/transformers_utils/hub.py), its dtype, its
+length limit, and the facts the level presets ask about (quantized? MoE?).
+
+`model` keeps the name the user gave for a Hub model (the repo id, as upstream: it is also the
+default served name); `model_path` is the folder read (the snapshot of the resolved commit).
+For a local folder both are that folder.
 
 Resolving a config needs only a few values of the model's config.json (architectures, length,
 dtype, quantization, head counts), and importing transformers to read it takes ~2 s of CPU
@@ -38,16 +43,27 @@ def demo_model_path() -> str:
     return str(Path(__file__).resolve().parent.parent / "demo_model")
 
 
+def is_local_model_name(model: str) -> bool:
+    """`demo`, or a name that is not a Hub repo id (a folder, or a path that is missing): no
+    Hub look-up (and no huggingface_hub import) for these."""
+    if model == DEMO_MODEL_NAME or os.path.isdir(os.path.expanduser(model)):
+        return True
+    from vllm.transformers_utils.hub import is_repo_id
+
+    return not is_repo_id(model)
+
+
 def resolve_model_path(model: str) -> str:
-    """Map `demo` to the built-in model; check a local folder exists and holds a config.json."""
+    """Map `demo` to the built-in model; check a local folder exists and holds a config.json
+    (a Hub repo id is resolved by ModelConfig, not here)."""
     if model == DEMO_MODEL_NAME:
         return demo_model_path()
     path = os.path.expanduser(model)
     if not os.path.isdir(path):
         raise ValueError(
             f"Model {model!r} is not a local folder. Pass the path of a Hugging Face model "
-            "folder (config.json, *.safetensors, tokenizer files) or 'demo'; downloading from "
-            "a model hub is not supported.")
+            "folder (config.json, *.safetensors, tokenizer files), a Hugging Face Hub repo id "
+            "(ORG/NAME) or 'demo'.")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"Model folder {model!r} has no config.json; a Hugging Face model "
                          "folder needs config.json, *.safetensors and tokenizer files.")
@@ -57,9 +73,18 @@ def resolve_model_path(model: str) -> str:
 @dataclass
 class ModelConfig:
     model: str = DEMO_MODEL_NAME
-    """A local Hugging Face model folder, or 'demo' for the built-in demo model."""
+    """A local Hugging Face model folder, a Hugging Face Hub repo id (ORG/NAME), or 'demo' for
+    the built-in demo model."""
     tokenizer: str | None = None
-    """Tokenizer folder (default: the model folder)."""
+    """Tokenizer folder or Hub repo id (default: the model's)."""
+    revision: str | None = None
+    """Hub models: the branch, tag or commit sha to load (default: the default branch).
+    Ignored for a local folder."""
+    tokenizer_revision: str | None = None
+    """Hub tokenizers: the branch, tag or commit sha (default: `revision`)."""
+    download_dir: str | None = None
+    """Hub models: the Hugging Face cache folder to download into and read from (default:
+    huggingface_hub's, HF_HUB_CACHE or HF_HOME/hub)."""
     dtype: str = "auto"
     """Compute dtype: auto (the platform decides from the checkpoint), float32, bfloat16,
     float16."""
@@ -98,19 +123,22 @@ class ModelConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of "
                              + ", ".join(_DTYPES))
+        if self.tokenizer_revision is None:
+            self.tokenizer_revision = self.revision
         if self.__dict__["_hf_config"] is None:
-            self.model = resolve_model_path(self.model)
+            self._resolve_model_source()
             if not self.hf_overrides:
-                self.__dict__["_config_json"] = read_config_json(self.model,
+                self.__dict__["_config_json"] = read_config_json(self.model_path,
                                                                  self.trust_remote_code)
             if self.__dict__.get("_config_json") is None:
-                self.hf_config = _load_hf_config(self.model, self.trust_remote_code)
+                self.hf_config = _load_hf_config(self.model_path, self.trust_remote_code)
         if self.hf_overrides:
             if not isinstance(self.hf_overrides, dict):
                 raise ValueError(f"hf_overrides must be a dict, got {self.hf_overrides!r}")
             _apply_overrides(self.hf_config, self.hf_overrides)
         if self.tokenizer is None:
             self.tokenizer = self.model
+        self._resolve_tokenizer_source()
         limit = self.derived_max_model_len()
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -132,6 +160,57 @@ class ModelConfig:
                 or self.max_logprobs < -1):
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the whole "
                              f"vocabulary), got {self.max_logprobs!r}")
+
+    # ---- where the files are ---------------------------------------------------------------
+    def _resolve_model_source(self) -> None:
+        """A local folder (or demo) is checked and `model` becomes its path; a Hub repo id is
+        resolved to a cached snapshot (`hub_snapshot`) and `model` stays the repo id."""
+        if is_local_model_name(self.model):
+            self.model = resolve_model_path(self.model)
+            return
+        from vllm.transformers_utils.hub import resolve_model
+
+        self.__dict__["_hub"] = resolve_model(self.model, self.revision, self.download_dir,
+                                              self.trust_remote_code)
+
+    def _resolve_tokenizer_source(self) -> None:
+        snap = self.hub_snapshot
+        if (snap is not None and self.tokenizer == snap.repo_id
+                and self.tokenizer_revision == snap.revision):
+            self.__dict__["_tokenizer_path"] = snap.path
+        elif self.tokenizer == self.model and snap is None:
+            self.__dict__["_tokenizer_path"] = self.model
+        elif isinstance(self.tokenizer, str) and not is_local_model_name(self.tokenizer):
+            from vllm.transformers_utils.hub import resolve_tokenizer
+
+            self.__dict__["_tokenizer_path"] = resolve_tokenizer(
+                self.tokenizer, self.tokenizer_revision, self.download_dir).path
+        else:
+            self.__dict__["_tokenizer_path"] = self.tokenizer
+
+    @property
+    def hub_snapshot(self) -> Any:
+        """The Hub snapshot (`vllm.transformers_utils.hub.HubSnapshot`: repo id, revision,
+        commit, folder, weight files) of a Hub model; None for a local folder."""
+        return self.__dict__.get("_hub")
+
+    @property
+    def model_path(self) -> str:
+        """The local folder the config, generation config and weights are read from."""
+        snap = self.hub_snapshot
+        return snap.path if snap is not None else self.model
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The local folder (or name, for a tokenizer given directly) the tokenizer is loaded
+        from."""
+        return self.__dict__.get("_tokenizer_path") or self.tokenizer or self.model_path
+
+    @property
+    def model_commit(self) -> str | None:
+        """The Hub commit sha the model was resolved to (None for a local folder)."""
+        snap = self.hub_snapshot
+        return None if snap is None else snap.commit
 
     def _check_tokenizer_and_generation_config(self) -> None:
         if self.tokenizer_mode not in TOKENIZER_MODES:
@@ -155,7 +234,7 @@ class ModelConfig:
     def generation_config_folder(self) -> str:
         """The folder whose generation_config.json is read (EOS ids; defaults unless
         generation_config is "vllm")."""
-        return self.model if self.generation_config in ("auto", "vllm") else \
+        return self.model_path if self.generation_config in ("auto", "vllm") else \
             self.generation_config
 
     @property
@@ -333,6 +412,8 @@ class ModelConfig:
             "dtype": f"torch.{self.resolved_dtype}" if self.resolved_dtype else self.dtype,
             "max_model_len": self.max_model_len,
         }
+        if self.model_commit is not None:  # a new revision never loads an old one's graphs
+            data["hub_commit"] = f"{self.hub_snapshot.repo_id}@{self.model_commit}"
         return hash_fields(_Hashable(data))
 
 
@@ -358,7 +439,7 @@ class _HfConfigField:
         if obj is None:
             return None
         if obj.__dict__.get("_hf_config") is None and obj.__dict__.get("_config_json") is not None:
-            obj.__dict__["_hf_config"] = _load_hf_config(obj.model, obj.trust_remote_code)
+            obj.__dict__["_hf_config"] = _load_hf_config(obj.model_path, obj.trust_remote_code)
         return obj.__dict__.get("_hf_config")
 
     def __set__(self, obj: ModelConfig, value: Any) -> None:

@@ -131,13 +131,13 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     disable_log_stats: bool = False
-    # upstream's arguments for what a local-folder model ignores, or for features this
-    # engine leaves out (accepted only "off"; see COMPAT_ARGS)
-    quantization: str | None = None
-    hf_overrides: dict | None = None
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
+    # upstream's arguments for what this engine ignores, or for features it leaves out
+    # (accepted only "off"; see COMPAT_ARGS)
+    quantization: str | None = None
+    hf_overrides: dict | None = None
     swap_space: float = 4.0
     cpu_offload_gb: float = 0.0
     enable_lora: bool = False
@@ -157,10 +157,22 @@ class EngineArgs:
         d = EngineArgs
         model = parser.add_argument_group("model")
         model.add_argument("--model", type=str, default=d.model,
-                           help="Local Hugging Face model folder, or 'demo' for the built-in "
-                           "demo model. Default: %(default)s.")
+                           help="Local Hugging Face model folder, Hugging Face Hub repo id "
+                           "(ORG/NAME: downloaded into the Hub cache; HF_TOKEN for private or "
+                           "gated repos, HF_HUB_OFFLINE=1 for the cache only), or 'demo' for "
+                           "the built-in demo model. Default: %(default)s.")
         model.add_argument("--tokenizer", type=str, default=d.tokenizer,
-                           help="Tokenizer folder (default: the model folder).")
+                           help="Tokenizer folder or Hub repo id (default: the model's).")
+        model.add_argument("--revision", type=str, default=d.revision,
+                           help="Hub models: the branch, tag or commit sha to load (default: "
+                           "the repo's default branch). Ignored for a local folder.")
+        model.add_argument("--tokenizer-revision", type=str, default=d.tokenizer_revision,
+                           help="Hub tokenizers: the branch, tag or commit sha (default: "
+                           "--revision).")
+        model.add_argument("--download-dir", type=str, default=d.download_dir,
+                           help="Hub models: the Hugging Face cache folder to download into "
+                           "and read from (default: HF_HUB_CACHE, else HF_HOME/hub, else "
+                           "~/.cache/huggingface/hub).")
         model.add_argument("--dtype", type=str, default=d.dtype,
                            help="auto, float32, bfloat16 or float16 (aliases: float, half, "
                            "bf16, fp16). 'auto' lets the platform choose. Default: auto.")
@@ -277,8 +289,6 @@ class EngineArgs:
         compat.add_argument("--hf-overrides", type=_hf_overrides, default=d.hf_overrides,
                             help="JSON: values set on the model's Hugging Face config, e.g. "
                             "'{\"rope_theta\": 20000}'.")
-        for flag in ("--revision", "--tokenizer-revision", "--download-dir"):
-            compat.add_argument(flag, default=None, help="Ignored: models are local folders.")
         compat.add_argument("--swap-space", type=float, default=d.swap_space,
                             help="Ignored: preempted requests are recomputed, never swapped.")
         compat.add_argument("--cpu-offload-gb", type=float, default=d.cpu_offload_gb,
@@ -299,10 +309,11 @@ class EngineArgs:
             if value not in accepted:
                 raise ValueError(f"{name}={value!r} is not supported: this engine has no "
                                  f"{what} (accepted: {', '.join(map(repr, accepted))})")
-        for name in ("revision", "tokenizer_revision", "download_dir"):
-            if getattr(self, name) is not None:
-                logger.warning_once("%s=%r is ignored: models are local folders", name,
-                                    getattr(self, name))
+        if model_config.hub_snapshot is None:
+            for name in ("revision", "download_dir"):
+                if getattr(self, name) is not None:
+                    logger.warning_once("%s=%r is ignored: the model is a local folder", name,
+                                        getattr(self, name))
         if self.swap_space != EngineArgs.swap_space:
             logger.warning_once("swap_space is ignored: preempted requests are recomputed, "
                                 "never swapped out")
@@ -357,7 +368,8 @@ class EngineArgs:
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, seed=0 if self.seed is None else self.seed,
-            hf_overrides=self.hf_overrides,
+            hf_overrides=self.hf_overrides, revision=self.revision,
+            tokenizer_revision=self.tokenizer_revision, download_dir=self.download_dir,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code, enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs, tokenizer_mode=self.tokenizer_mode,

@@ -67,7 +67,7 @@ class LLMEngine:
         self.log_stats = log_stats
         logger.info("%s", vllm_config.summary_line())
         with timer.phase("tokenizer loading"):
-            self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code,
+            self.tokenizer = load_tokenizer(mc.tokenizer_path, mc.trust_remote_code,
                                             mc.tokenizer_mode)
         self.generation_config = self._read_generation_config()
         self.eos_token_ids = self._eos_token_ids()

@@ -26,10 +26,29 @@ def run(args: argparse.Namespace) -> int:
     """Print the summary line, then the provenance table (or JSON with --json).
     Raises ValueError for settings that cannot be resolved (the CLI turns it into an error)."""
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    model = model_line(config.model_config)
     if args.json:
         print(config.summary_line(), file=sys.stderr)
-        print(json.dumps(config.explain_json(), indent=2))
+        table = config.explain_json()
+        snapshot = getattr(config.model_config, "hub_snapshot", None)
+        if snapshot is not None:
+            table["model_config.hub_commit"] = {"value": snapshot.commit, "source": "hub",
+                                                "reason": model}
+        print(json.dumps(table, indent=2))
     else:
         print(config.summary_line())
+        if model:
+            print(model)
         print(config.explain_text())
     return 0
+
+
+def model_line(model_config: Any) -> str:
+    """For a Hugging Face Hub model: the repo, the revision asked for, the commit it resolved
+    to and the snapshot folder read (the commit is part of the compile-cache key). Empty for a
+    local folder."""
+    snapshot = getattr(model_config, "hub_snapshot", None)
+    if snapshot is None:
+        return ""
+    return (f"Model {snapshot.repo_id} from the Hugging Face Hub: revision "
+            f"{snapshot.revision_name} = commit {snapshot.commit} (snapshot {snapshot.path})")

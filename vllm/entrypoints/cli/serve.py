@@ -1,7 +1,7 @@
 """`vllm serve [MODEL] [engine flags] [server flags]`: the OpenAI-compatible server.
 
-MODEL is a local Hugging Face folder or `demo` (the built-in demo model); `--model` works
-too. Engine flags are those of EngineArgs (-O0..-O3, -cc ..., --max-model-len,
+MODEL is a local Hugging Face folder, a Hugging Face Hub repo id (ORG/NAME) or `demo` (the
+built-in demo model); `--model` works too. Engine flags are those of EngineArgs (-O0..-O3, -cc ..., --max-model-len,
 --served-model-name, --kv-cache-memory ...); server flags are --host (127.0.0.1), --port
 (8000), --api-key, --shutdown-timeout (10 s), the uvicorn log switches and those of
 `FrontendOptions` (--chat-template, --response-role, --enable-log-requests, --root-path, CORS).
@@ -51,7 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "/v1/chat/completions, /v1/models, /health, /metrics). Example: "
         "vllm serve ./my-model -O2 --port 8000")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="Model folder or 'demo' (same as --model; wins over it).")
+                        help="Model folder, Hub repo id (ORG/NAME) or 'demo' (same as --model; "
+                        "wins over it).")
     add_server_args(parser)
     EngineArgs.add_cli_args(parser)
     return parser

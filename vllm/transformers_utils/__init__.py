@@ -1,0 +1,1 @@
+"""Helpers around Hugging Face libraries (the Hub cache: hub.py)."""
