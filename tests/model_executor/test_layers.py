@@ -132,7 +132,7 @@ def test_rope_cache_stays_float32_and_rotation_is_norm_preserving():
     torch.testing.assert_close(q_rot[0], q[0])  # position 0: no rotation
     torch.testing.assert_close(q_rot.view(5, 3, 16).norm(dim=-1), q.view(5, 3, 16).norm(dim=-1))
     with pytest.raises(ValueError, match="not supported"):
-        get_rope(16, 16, 64, 10000.0, {"rope_type": "longrope", "factor": 2.0})
+        get_rope(16, 16, 64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
 
 
 @pytest.mark.parametrize("name", ["gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu",
