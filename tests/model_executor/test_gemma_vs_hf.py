@@ -151,10 +151,27 @@ def test_embedding_normalizer_is_rounded_to_the_dtype(hidden_size, dtype, expect
     assert embedding_normalizer(hidden_size, dtype) == expected
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_bfloat16_model_runs_close_to_float32(checkpoints, arch):
+def bfloat16_copy(path: str, folder) -> str:
+    """The checkpoint stored in bfloat16 (config.json's dtype too)."""
+    tensors = {k: v.to(torch.bfloat16)
+               for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["dtype"] = "bfloat16"
+    config.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch, stored", [("gemma2", "float32"), ("gemma3", "float32"),
+                                          ("gemma2", "bfloat16"), ("gemma3", "bfloat16")])
+def test_bfloat16_model_runs_close_to_float32(checkpoints, arch, stored, tmp_path):
+    """bfloat16 compute, from the float32 checkpoint or a bfloat16 copy of it, stays close
+    to transformers' float32 logits."""
     path = checkpoints(arch)
-    config = VllmConfig(model_config=ModelConfig(model=path, dtype="bfloat16"),
+    ours = path if stored == "float32" else bfloat16_copy(path, tmp_path)
+    config = VllmConfig(model_config=ModelConfig(model=ours, dtype="bfloat16"),
                         optimization_level=0)
     model = get_model(config)
     assert model.lm_head.weight.dtype == torch.bfloat16
