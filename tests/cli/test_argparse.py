@@ -1,6 +1,7 @@
 """FlexibleArgumentParser: vLLM's command-line spellings (-O<n>, -cc JSON, dotted -cc keys)."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -31,6 +32,11 @@ def parse_error(capsys, *argv: str) -> str:
     return lines[0]
 
 
+def _cc(data: dict) -> CompilationConfig:
+    """What -cc parses to: a CompilationConfig holding just the keys given."""
+    return CompilationConfig.from_dict(data)
+
+
 def duplicate_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.levelno == logging.WARNING and "Found duplicate keys" in r.getMessage()]
@@ -46,9 +52,10 @@ def duplicate_warnings(caplog) -> list[str]:
     (["--optimization-level", "O2"], 2), (["-OO1"], 1),
 ])
 def test_level_spellings(argv, level):
+    """The level is checked at parse time and kept as given (upstream's parse result)."""
     args = parse(*argv)
-    assert args.optimization_level == level
-    assert isinstance(args.optimization_level, OptimizationLevel)
+    assert isinstance(args.optimization_level, str)
+    assert OptimizationLevel.parse(args.optimization_level) == level
 
 
 def test_level_default_is_unset():
@@ -60,7 +67,7 @@ def test_level_default_is_unset():
 def test_duplicate_level_last_wins_with_warning(caplog, argv):
     with caplog.at_level(logging.WARNING, logger="vllm"):
         args = parse(*argv)
-    assert args.optimization_level == OptimizationLevel.O3
+    assert OptimizationLevel.parse(args.optimization_level) == OptimizationLevel.O3
     warnings = duplicate_warnings(caplog)
     assert len(warnings) == 1 and "--optimization-level" in warnings[0]
 
@@ -109,60 +116,61 @@ def test_preprocess_argv_rewrites_and_keeps_tail():
 # ---- -cc / --compilation-config ------------------------------------------------------------
 def test_cc_json():
     args = parse("-cc", '{"mode": 3, "pass_config": {"fuse_norm_quant": false}}')
-    assert args.compilation_config == {"mode": 3, "pass_config": {"fuse_norm_quant": False}}
+    assert args.compilation_config == _cc({"mode": 3, "pass_config": {"fuse_norm_quant": False}})
     args = parse("--compilation-config", '{"backend": "eager"}')
-    assert args.compilation_config == {"backend": "eager"}
+    assert args.compilation_config == _cc({"backend": "eager"})
     args = parse("--compilation_config={\"backend\": \"eager\"}")
-    assert args.compilation_config == {"backend": "eager"}
+    assert args.compilation_config == _cc({"backend": "eager"})
 
 
 def test_cc_dotted_merge():
     args = parse("-cc.pass_config.fuse_norm_quant=false", "-O1", "-cc.mode", "3",
                  "--compilation-config.backend=eager", "--compilation_config.pass_config."
                  "eliminate_noops", "true", "-cc.cudagraph_mode=piecewise")
-    assert args.optimization_level == 1
-    assert args.compilation_config == {
+    assert args.optimization_level == "1"
+    assert args.compilation_config == _cc({
         "pass_config": {"fuse_norm_quant": False, "eliminate_noops": True},
-        "mode": 3, "backend": "eager", "cudagraph_mode": "piecewise"}
+        "mode": 3, "backend": "eager", "cudagraph_mode": "piecewise"})
 
 
 def test_cc_dotted_appended_at_end_replaces_full_json(caplog):
     with caplog.at_level(logging.WARNING, logger="vllm"):
         args = parse("-cc", '{"mode": 3}', "-cc.backend=eager")
-    assert args.compilation_config == {"backend": "eager"}
+    assert args.compilation_config == _cc({"backend": "eager"})
     assert any("--compilation-config" in w for w in duplicate_warnings(caplog))
 
 
 def test_cc_dotted_dict_values_merge_recursively():
     args = parse("-cc.pass_config={\"fuse_norm_quant\": true}",
                  "-cc.pass_config.eliminate_noops=false")
-    assert args.compilation_config == {
-        "pass_config": {"fuse_norm_quant": True, "eliminate_noops": False}}
+    assert args.compilation_config == _cc({
+        "pass_config": {"fuse_norm_quant": True, "eliminate_noops": False}})
 
 
 def test_cc_dotted_repeated_scalar_overwrites_with_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="vllm"):
         args = parse("-cc.mode=1", "-cc.mode=3")
-    assert args.compilation_config == {"mode": 3}
+    assert args.compilation_config == _cc({"mode": 3})
     warnings = duplicate_warnings(caplog)
     assert len(warnings) == 1 and "--compilation-config.mode" in warnings[0]
 
 
 def test_cc_dotted_value_kept_as_string_when_not_json():
-    assert parse("-cc.backend=inductor").compilation_config == {"backend": "inductor"}
-    assert parse("-cc.debug_dump_path", "/tmp/x").compilation_config == {
-        "debug_dump_path": "/tmp/x"}
+    assert parse("-cc.backend=inductor").compilation_config == _cc({"backend": "inductor"})
+    assert parse("-cc.debug_dump_path", "/tmp/x").compilation_config == _cc({
+        "debug_dump_path": "/tmp/x"})
 
 
 def test_cc_list_append(caplog):
     args = parse("-cc.custom_ops+=+rms_norm,-quant_fp8")
-    assert args.compilation_config == {"custom_ops": ["+rms_norm", "-quant_fp8"]}
+    assert args.compilation_config == _cc({"custom_ops": ["+rms_norm", "-quant_fp8"]})
     with caplog.at_level(logging.WARNING, logger="vllm"):
         args = parse("-cc.custom_ops+=+rms_norm", "-cc.custom_ops+", "-quant_fp8,+silu_and_mul")
-    assert args.compilation_config == {"custom_ops": ["+rms_norm", "-quant_fp8", "+silu_and_mul"]}
+    assert args.compilation_config == _cc(
+        {"custom_ops": ["+rms_norm", "-quant_fp8", "+silu_and_mul"]})
     assert duplicate_warnings(caplog) == []
     args = parse("-cc.compile_sizes+=1,2", "-cc.compile_sizes+=[4]")
-    assert args.compilation_config == {"compile_sizes": [1, 2, 4]}
+    assert args.compilation_config == _cc({"compile_sizes": [1, 2, 4]})
 
 
 @pytest.mark.parametrize("value, mode", [
@@ -174,14 +182,13 @@ def test_cc_list_append(caplog):
 ])
 def test_cc_mode_ints_and_names(value, mode):
     for argv in (["-cc.mode=" + value], ["-cc.mode", value]):
-        data = parse(*argv).compilation_config
-        assert CompilationConfig.from_dict(data).mode == mode
+        assert parse(*argv).compilation_config.mode == mode
 
 
 @pytest.mark.parametrize("value", ["piecewise", "FULL_AND_PIECEWISE", "Full_Decode_Only"])
 def test_cc_cudagraph_mode_names_any_case(value):
-    data = parse(f"-cc.cudagraph_mode={value}").compilation_config
-    assert CompilationConfig.from_dict(data).cudagraph_mode == CUDAGraphMode[value.upper()]
+    cc = parse(f"-cc.cudagraph_mode={value}").compilation_config
+    assert cc.cudagraph_mode == CUDAGraphMode[value.upper()]
 
 
 # ---- bad -cc input -------------------------------------------------------------------------
@@ -238,9 +245,18 @@ def test_cc_dotted_empty_key(capsys):
     assert "empty key" in line
 
 
-def test_dotted_key_on_plain_option(capsys):
-    line = parse_error(capsys, "--max-num-seqs.x=1")
-    assert "--max-num-seqs does not take dotted keys" in line
+def test_dotted_key_on_a_switch(capsys):
+    line = parse_error(capsys, "--enforce-eager.x=1")
+    assert "--enforce-eager is a switch and takes no dotted keys" in line
+
+
+def test_dotted_keys_on_any_option_that_takes_a_value():
+    """As upstream's parser: dotted keys build a JSON object for any option (here one with
+    json.loads as its type); an option that cannot read JSON rejects the value."""
+    parser = FlexibleArgumentParser(prog="vllm test")
+    parser.add_argument("--overrides", type=json.loads)
+    args = parser.parse_args(["--overrides.a.b", "1", "--overrides.c=x.y", "--overrides.d+=1,2"])
+    assert args.overrides == {"a": {"b": 1}, "c": "x.y", "d": [1, 2]}
 
 
 # ---- sizes and the other engine flags ------------------------------------------------------
@@ -308,7 +324,7 @@ def test_upstream_utility_import_paths():
 def test_config_file_options_with_the_command_line_winning(tmp_path, capsys):
     """upstream's `vllm serve --config FILE.yaml`: keys in either spelling, true = a switch,
     false = not given, lists and mappings; the command line's value wins."""
-    from vllm.entrypoints.cli.main import build_parser
+    from vllm.entrypoints.cli.main import build_parser, main
 
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("port: 8123\nmax_model_len: 256\nserved-model-name: [a, b]\n"
@@ -317,9 +333,13 @@ def test_config_file_options_with_the_command_line_winning(tmp_path, capsys):
     args = build_parser().parse_args(["serve", "demo", "--config", str(cfg), "--port", "9000"])
     assert (args.port, args.max_model_len, args.served_model_name) == (9000, 256, ["a", "b"])
     assert args.enable_log_requests and not args.trust_remote_code
-    assert args.compilation_config == {"mode": 0} and args.model_tag == "demo"
-    for text, words in [("- a list\n", "must hold a mapping"), ("a: [\n", "cannot read")]:
+    assert args.compilation_config == _cc({"mode": 0}) and args.model_tag == "demo"
+    for text, words in [("- a list\n", "must hold a YAML mapping"), ("a: [\n", "cannot read")]:
         cfg.write_text(text)
-        with pytest.raises(SystemExit):
+        with pytest.raises(ValueError, match=words):
             build_parser().parse_args(["serve", "demo", f"--config={cfg}"])
-        assert words in capsys.readouterr().err
+        # `vllm` itself prints such an error as one line, exit code 2
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "demo", f"--config={cfg}"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err and len(err.strip().splitlines()) == 1

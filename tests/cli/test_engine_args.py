@@ -39,9 +39,9 @@ def test_from_cli_args(tiny):
     args = from_argv("--model", tiny, "-O1", "--max-num-seqs", "8", "--no-enable-prefix-caching",
                      "-tp", "1", "--block-size", "32", "-cc.backend=eager", "--seed", "7",
                      "--dtype", "float32", "--max_model_len", "128")
-    assert args.model == tiny and args.optimization_level == OptimizationLevel.O1
+    assert args.model == tiny and args.optimization_level == "1"  # as given, as upstream
     assert args.max_num_seqs == 8 and args.enable_prefix_caching is False
-    assert args.compilation_config == {"backend": "eager"}
+    assert args.compilation_config == CompilationConfig(backend="eager")
     config = args.create_engine_config()
     assert config.optimization_level == OptimizationLevel.O1
     assert config.scheduler_config.max_num_seqs == 8

@@ -84,7 +84,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = EngineArgs.from_cli_args(argparse.Namespace(
         **{**vars(args), "optimization_level": None}))
     engine_args.disable_log_stats = True
-    return dataclasses.asdict(engine_args)
+    kwargs = dataclasses.asdict(engine_args)
+    cc = engine_args.compilation_config
+    if cc is not None and not isinstance(cc, (dict, str, int)):  # a parsed -cc
+        kwargs["compilation_config"] = cc.non_default_dict()
+    return kwargs
 
 
 def start_once(engine_kwargs: dict[str, Any], cache_dir: str, inductor_dir: str,

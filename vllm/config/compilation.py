@@ -5,6 +5,7 @@ Every field that an optimization level may fill is declared with the default `No
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from vllm.config.utils import (
     compile_ranges,
     config_from_dict,
     hash_fields,
+    to_jsonable,
 )
 from vllm.logger import init_logger
 
@@ -322,6 +324,21 @@ class CompilationConfig:
                                 "; mode is given too and wins" if "mode" in data else "")
             data.setdefault("mode", level)
         return config_from_dict(cls, data, path, nested={"pass_config": PassConfig})
+
+    def non_default_dict(self) -> dict[str, Any]:
+        """The settings that differ from a fresh `CompilationConfig()` (pass_config's per
+        flag), JSON-encodable, in the form `from_dict` reads back: what a user gave."""
+        fresh = CompilationConfig()
+        data: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.init or value == getattr(fresh, f.name):
+                continue
+            if f.name == "pass_config":
+                value = {k: v for k, v in dataclasses.asdict(value).items()
+                         if v != getattr(fresh.pass_config, k)}
+            data[f.name] = to_jsonable(value)
+        return data
 
     def is_custom_op_enabled(self, name: str) -> bool:
         """Whether the custom kernel of op `name` is used (else its plain-torch form)."""

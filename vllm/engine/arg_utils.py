@@ -41,9 +41,12 @@ __all__ = ["EngineArgs"]
 _CC_MIRRORED = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
 
 
-def _optimization_level(text: str) -> OptimizationLevel:
+def _optimization_level(text: str) -> str:
+    """-O's value, checked here and kept as given ("2", "O2"), as upstream's parser leaves it;
+    VllmConfig reads it as an OptimizationLevel."""
     try:
-        return OptimizationLevel.parse(text)
+        OptimizationLevel.parse(text)
+        return text
     except ValueError as exc:
         hint = ("; -O takes a level now: give a compilation config with -cc / "
                 "--compilation-config" if text.lstrip().startswith("{") else "")
@@ -57,10 +60,12 @@ def _validate_compilation_config(data: dict) -> None:
 _compilation_config_json = json_dict_type("--compilation-config", _validate_compilation_config)
 
 
-def _compilation_config_arg(text: str) -> dict:
-    """-cc as JSON or dotted keys; a bare integer is the mode, as upstream (-cc 3)."""
+def _compilation_config_arg(text: str) -> CompilationConfig:
+    """-cc as JSON or dotted keys, parsed into a CompilationConfig holding only the keys given
+    (the rest unset, for the level to fill); a bare integer is the mode, as upstream (-cc 3)."""
     mode = _mode_shorthand(text)
-    return _compilation_config_json(text if mode is None else json.dumps({"mode": mode}))
+    data = _compilation_config_json(text if mode is None else json.dumps({"mode": mode}))
+    return CompilationConfig.from_dict(data)
 
 
 _compilation_config_arg.accepts_dotted_keys = True  # type: ignore[attr-defined]
@@ -113,7 +118,8 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict | None = None
     optimization_level: OptimizationLevel | int | str | None = None
-    compilation_config: dict | CompilationConfig | str | None = None
+    compilation_config: dict | CompilationConfig | str | None = dataclasses.field(
+        default_factory=CompilationConfig)
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
@@ -218,7 +224,7 @@ class EngineArgs:
                          "shows every value. Also -O2, -O 2, -O=2.")
         opt.add_argument("--enforce-eager", action="store_true",
                          help="Deprecated: the same as -O0.")
-        opt.add_argument("-cc", "--compilation-config", default=d.compilation_config,
+        opt.add_argument("-cc", "--compilation-config", default=CompilationConfig(),
                          type=_compilation_config_arg,
                          help="CompilationConfig as JSON ('{\"mode\": 3}'), or one key at a "
                          "time: -cc.mode=3, -cc.pass_config.fuse_norm_quant=false, "

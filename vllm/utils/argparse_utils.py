@@ -7,8 +7,9 @@
 * `-O<x>` / `-O=<x>` -> `--optimization-level <x>` (any suffix; the option's type validates
   it), `-O <x>` -> `--optimization-level <x>` unless `<x>` is another flag; a bare `-O`
   (last, or before another flag) is an error naming the levels.
-* Dotted keys of dict-valued options (those whose `type` comes from `json_dict_type`):
-  `-cc.pass_config.fuse_norm_quant=false`, `-cc.mode 3`, `--compilation-config.backend=eager`.
+* Dotted keys of any option that takes a value (meant for the JSON-valued ones):
+  `-cc.pass_config.fuse_norm_quant=false`, `-cc.mode 3`, `--compilation-config.backend=eager`,
+  `--hf-overrides.rope_scaling.factor 2`.
   The value is JSON-decoded when possible, else kept as a string. A key ending in `+`
   (`-cc.custom_ops+=+rms_norm,-quant_fp8`) splits the value on commas into a list, and
   repeated `+` keys concatenate. All dotted tokens of one option merge into one nested dict,
@@ -17,16 +18,24 @@
   "Found duplicate keys ..." names them.
 * `--config FILE.yaml` (upstream's): the file's keys are options (`port: 8000`,
   `tensor-parallel-size: 2` or `tensor_parallel_size: 2`; `true` = a switch given, `false` =
-  not given, lists = several values, mappings = JSON), spliced in where `--config` stands; an
-  option also given on the command line keeps the command line's value. `--config` is listed
-  in the `--help` of every parser without subcommands (`vllm serve --help`), as upstream's.
+  the switch's inverse where the parser has one (`--no-x`, or `--disable-x` for `enable-x`),
+  else not given; lists = several values, mappings = JSON), spliced in where `--config`
+  stands (`load_config_file` returns them); an option also given on the command line keeps the
+  command line's value. `--config` is listed in the `--help` of every parser without
+  subcommands (`vllm serve --help`), as upstream's. A file that is missing raises
+  FileNotFoundError; a file that is no .yaml/.yml, no YAML mapping, or a `--config` without a
+  file raises ValueError. `vllm serve --config FILE` with no model, neither as MODEL nor in
+  the file, raises ValueError "No model specified!".
+* `vllm serve --model M ...` (no MODEL given) -> `vllm serve M ...`, as upstream.
 
-Errors are one line, `<prog>: error: <message>`, exit code 2, without the usage block.
+Errors of argparse itself are one line, `<prog>: error: <message>`, exit code 2, without the
+usage block; `vllm`'s main turns the ValueError / FileNotFoundError above into the same line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -124,21 +133,32 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         # For --help only: parse_args splices the file's options in before argparse runs,
         # so this action never receives a value (args.config stays None).
-        self._config_action: argparse.Action | None = self.add_argument(
+        self._config_action: argparse.Action | None = super().add_argument(
             "--config", metavar="FILE.yaml", default=None, help=_CONFIG_HELP)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        """As argparse's; a `--config` of the caller's replaces the built-in one (the file is
+        still read by `parse_args`)."""
+        if "--config" in args:
+            self._drop_config_action()
+        return super().add_argument(*args, **kwargs)
+
+    def _drop_config_action(self) -> None:
+        action = getattr(self, "_config_action", None)
+        if action is None:
+            return
+        self._config_action = None
+        self._remove_action(action)
+        for group in self._action_groups:
+            if action in group._group_actions:
+                group._group_actions.remove(action)
+        for option in action.option_strings:
+            self._option_string_actions.pop(option, None)
 
     def add_subparsers(self, **kwargs: Any) -> argparse._SubParsersAction:
         """As argparse's; a parser with subcommands leaves `--config` to them (the file holds
         a subcommand's options)."""
-        action = self._config_action
-        if action is not None:
-            self._config_action = None
-            self._remove_action(action)
-            for group in self._action_groups:
-                if action in group._group_actions:
-                    group._group_actions.remove(action)
-            for option in action.option_strings:
-                self._option_string_actions.pop(option, None)
+        self._drop_config_action()
         return super().add_subparsers(**kwargs)
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
@@ -152,48 +172,84 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {line}\n")
 
     # ---- argv rewriting ------------------------------------------------------------------
+    def load_config_file(self, file_path: str, argv: Sequence[str] = ()) -> list[str]:
+        """The options a YAML config file holds, as command-line tokens (see the module
+        docstring); `argv` names the subcommand whose options a `false` may invert."""
+        extension = os.path.splitext(file_path)[1].lower()
+        if extension not in (".yaml", ".yml"):
+            raise ValueError(f"--config {file_path!r}: the config file must be a .yaml or .yml "
+                             f"file, got {extension or 'no extension'}")
+        if not os.path.exists(file_path):
+            raise FileNotFoundError(f"--config {file_path!r}: no such file")
+        import yaml
+
+        try:
+            with open(file_path) as f:
+                data = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--config {file_path!r}: cannot read it as YAML ({exc})") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {file_path!r} must hold a YAML mapping of option: value, "
+                             f"got a {type(data).__name__}")
+        options = self._option_actions(argv)
+        tokens: list[str] = []
+        for key, value in data.items():
+            flag = "--" + str(key).replace("_", "-")
+            if value is None:
+                continue
+            if value is False:
+                tokens += [inverse] if (inverse := _inverse_flag(flag, options)) else []
+            elif value is True:
+                tokens.append(flag)
+            elif isinstance(value, list):
+                tokens += [flag, *map(str, value)] if value else []
+            elif isinstance(value, dict):
+                tokens += [flag, json.dumps(value)]
+            else:
+                tokens += [flag, str(value)]
+        return tokens
+
     def _expand_config_file(self, argv: list[str]) -> list[str]:
-        """`--config FILE` -> the file's options in its place (see the module docstring)."""
+        """`--config FILE` -> the file's options in its place; the command line's own options
+        win over the file's."""
         i = next((i for i, t in enumerate(argv) if t == "--config" or t.startswith("--config=")),
                  None)
         if i is None:
             return argv
         token = argv[i]
         if token == "--config":
-            if i + 1 >= len(argv):
-                self.error("--config needs a YAML file")
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise ValueError("No config file specified! --config needs a YAML file, e.g. "
+                                 "--config serve.yaml")
             path, rest = argv[i + 1], argv[i + 2:]
         else:
             path, rest = token.split("=", 1)[1], argv[i + 1:]
-        import yaml
-
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            self.error(f"--config {path!r}: cannot read it as YAML ({exc})")
-        if not isinstance(data, dict):
-            self.error(f"--config {path!r} must hold a mapping of option: value")
+        file_tokens = self.load_config_file(path, argv)
+        if argv[:1] == ["serve"]:
+            model_given = (len(argv) > 1 and not argv[1].startswith("-")) or any(
+                t == "--model" or t.startswith("--model=") for t in [*argv, *file_tokens])
+            if not model_given:
+                raise ValueError("No model specified! Give the model as `vllm serve MODEL` or "
+                                 "as `model: ...` in the config file.")
         given = {_normalize_long_option(t).split("=", 1)[0] for t in argv if t.startswith("--")}
-        tokens: list[str] = []
-        for key, value in data.items():
-            flag = "--" + str(key).replace("_", "-")
-            if flag in given or value is False or value is None:
+        kept: list[str] = []
+        skipping = False
+        for t in file_tokens:
+            if t.startswith("--"):
+                skipping = t in given or _inverse_of(t) in given
+                if skipping:
+                    continue
+            elif skipping:
                 continue
-            if value is True:
-                tokens.append(flag)
-            elif isinstance(value, list):
-                tokens += [flag, *map(str, value)]
-            elif isinstance(value, dict):
-                tokens += [flag, json.dumps(value)]
-            else:
-                tokens += [flag, str(value)]
-        return argv[:i] + tokens + rest
+            kept.append(t)
+        return argv[:i] + kept + rest
 
     def preprocess_argv(self, argv: list[str]) -> list[str]:
         """Rewrite vLLM spellings into plain argparse tokens (the contract is the module
         docstring). Exits through `error()` on a malformed dotted key."""
-        argv = self._expand_config_file(argv)
+        argv = self._expand_config_file(_model_option_to_positional(argv))
         if "--" in argv:
             cut = argv.index("--")
             argv, tail = argv[:cut], argv[cut:]
@@ -226,9 +282,10 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
                 continue
             action = options[head]
             canonical = _canonical(action)
-            if not getattr(action.type, "accepts_dotted_keys", False):
-                self.error(f"{token!r}: {canonical} does not take dotted keys; only "
-                           "dict-valued options such as --compilation-config (-cc) do")
+            if action.nargs == 0:
+                self.error(f"{token!r}: {canonical} is a switch and takes no dotted keys; "
+                           "they are for options that take JSON, such as "
+                           "--compilation-config (-cc)")
             if not has_value:
                 if nxt is None:
                     self.error(f"{token!r} needs a value: write {key}=VALUE or {key} VALUE")
@@ -276,6 +333,37 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
                     if option not in found or getattr(action.type, "accepts_dotted_keys", False):
                         found[option] = action
         return found
+
+
+def _inverse_flag(flag: str, options: dict[str, argparse.Action]) -> str | None:
+    """The option that turns switch `flag` off, where the parser has one: `--no-x`
+    (BooleanOptionalAction), or `--disable-x` for `--enable-x`."""
+    for candidate in ("--no-" + flag[2:], _inverse_of(flag)):
+        if candidate and candidate in options:
+            return candidate
+    return None
+
+
+def _inverse_of(flag: str) -> str | None:
+    """`--enable-x` <-> `--disable-x` (None for other names)."""
+    if flag.startswith("--enable-"):
+        return "--disable-" + flag[len("--enable-"):]
+    if flag.startswith("--disable-"):
+        return "--enable-" + flag[len("--disable-"):]
+    return None
+
+
+def _model_option_to_positional(argv: list[str]) -> list[str]:
+    """`serve ... --model M ...` without a positional MODEL -> `serve M ...` (upstream's
+    spelling for `vllm serve`; the positional MODEL is its own)."""
+    if argv[:1] != ["serve"] or (len(argv) > 1 and not argv[1].startswith("-")):
+        return argv
+    for i, token in enumerate(argv):
+        if token == "--model" and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            return ["serve", argv[i + 1], *argv[1:i], *argv[i + 2:]]
+        if token.startswith("--model="):
+            return ["serve", token.split("=", 1)[1], *argv[1:i], *argv[i + 1:]]
+    return argv
 
 
 def _subcommand_chain(parser: argparse.ArgumentParser, argv: Sequence[str]

@@ -6,8 +6,8 @@ Each subcommand is a module listed in `SUBCOMMANDS` that exposes
 Add a command by writing `vllm/entrypoints/cli/<name>.py` with those two functions and listing it
 here; keep heavy imports (torch, servers) inside `run` so `vllm --help` stays fast.
 
-Errors: bad flags and a `ValueError` raised by `run` (config resolution: contradictory or
-invalid settings) print one line `vllm <command>: error: <message>` on stderr and exit with
+Errors: bad flags, a bad `--config` file and a `ValueError` raised by `run` (config resolution:
+contradictory or invalid settings) print one line `vllm <command>: error: <message>` on stderr and exit with
 code 2, without a traceback.
 """
 from __future__ import annotations
@@ -47,7 +47,10 @@ def build_parser() -> FlexibleArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]), run the chosen subcommand, return its exit code."""
     parser = build_parser()
-    args = parser.parse_args(None if argv is None else list(argv))
+    try:
+        args = parser.parse_args(None if argv is None else list(argv))
+    except (ValueError, FileNotFoundError) as exc:  # --config FILE: missing, not YAML, ...
+        parser.error(str(exc))
     sub_parser: argparse.ArgumentParser = args._parser
     try:
         code = args._run(args)
