@@ -247,3 +247,19 @@ def test_dummy_norms_are_the_identity(checkpoints, tmp_path, family, norm_names,
         assert torch.all(param == expected), name
         checked += 1
     assert checked >= 5
+
+
+def test_mixtral_stacked_expert_checkpoint(checkpoints, tmp_path):
+    """transformers 5's own Mixtral layout (`save_original_format=False`): the MoE block named
+    `mlp`, every expert stacked in `experts.gate_up_proj` / `experts.down_proj`."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    stacked = str(tmp_path / "stacked")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints("mixtral"), dtype=torch.float32)
+    hf.save_pretrained(stacked, save_original_format=False)
+    with safe_open(os.path.join(stacked, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert not any("block_sparse_moe" in name for name in names)
+    run_scenario(stacked, 16)

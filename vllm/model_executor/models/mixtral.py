@@ -3,7 +3,9 @@
 Router: softmax over the experts, keep the top `num_experts_per_tok`, renormalise them to sum
 to one (as transformers does). Checkpoint names: `block_sparse_moe.gate.weight` and
 `block_sparse_moe.experts.{e}.w1/w2/w3.weight` (gate, down, up), loaded into the stacked
-`experts.w13_weight` / `experts.w2_weight`.
+`experts.w13_weight` / `experts.w2_weight`; or, as transformers 5 writes them with
+`save_original_format=False`, `mlp.gate.weight` and every expert stacked in
+`mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I].
 """
 from typing import Any
 
@@ -47,6 +49,21 @@ class MixtralForCausalLM(LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.expert_params_mapping = FusedMoE.make_expert_params_mapping(
             self.config.num_local_experts)
+        self.stacked_expert_params_mapping = FusedMoE.make_stacked_expert_params_mapping()
+
+    def _load_one(self, name: str, tensor: torch.Tensor,
+                  params: dict[str, nn.Parameter]) -> str | None:
+        if ".mlp." in name:  # transformers 5's own layout: the MoE block is named `mlp`
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+            for param_part, ckpt_suffix, shard_id in self.stacked_expert_params_mapping:
+                if name.endswith(ckpt_suffix):
+                    param_name = name[:-len(ckpt_suffix)] + param_part
+                    param = params.get(param_name)
+                    if param is None:
+                        return None
+                    param.weight_loader(param, tensor, name, shard_id=shard_id, expert_id=None)
+                    return param_name
+        return super()._load_one(name, tensor, params)
 
     def _load_expert_weight(self, name: str, tensor: torch.Tensor,
                             params: dict[str, nn.Parameter]) -> str | None:
