@@ -236,7 +236,7 @@ def test_hub_errors_are_one_line(online, model, revision, expected):
     assert expected in message and "\n" not in message, message
 
 
-def test_offline_with_nothing_cached(hub, online, monkeypatch):
+def test_offline_with_nothing_cached(hub, online, monkeypatch, ckpt):
     hub_env(monkeypatch, hub.url, online, offline=True)
     with pytest.raises(ValueError) as exc:
         ModelConfig(model="org/tiny", download_dir=online)
@@ -245,6 +245,13 @@ def test_offline_with_nothing_cached(hub, online, monkeypatch):
            f"cache {online}" in message
     assert "HF_HUB_OFFLINE=1 forbids downloading it" in message and "\n" not in message
     assert model_requests(hub) == []
+    # A cached snapshot without weights (and without huggingface_hub's file list) is
+    # incomplete, not a repo without weights.
+    write_cache_by_hand(online, "org/partial", ckpt["no_weights"], "ab" * 20)
+    with pytest.raises(ValueError, match=r"org/partial is not a local folder and is not "
+                       r"\(completely\) in the Hugging Face cache .*\(the cached snapshot holds "
+                       "no weight files\\), and HF_HUB_OFFLINE=1"):
+        ModelConfig(model="org/partial", download_dir=online)
 
 
 def test_hub_unreachable(hub, online, monkeypatch, ckpt):

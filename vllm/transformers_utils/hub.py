@@ -122,11 +122,17 @@ def resolve_model(repo_id: str, revision: str | None = None, download_dir: str |
     patterns = [*CONFIG_FILES, *TOKENIZER_FILES, SAFE_INDEX_NAME, BIN_INDEX_NAME]
     if trust_remote_code:
         patterns.append("*.py")  # the repo's own config/tokenizer classes
-    snap, listing = _fetch(repo_id, revision, download_dir, patterns)
+    snap, listing, listed = _fetch(repo_id, revision, download_dir, patterns)
     if not os.path.isfile(os.path.join(snap.path, "config.json")):
         raise ValueError(f"Hugging Face Hub model {snap.describe()} has no config.json: it is not "
                          "a Transformers model repo")
     weights = weight_file_names(listing, lambda name: _read_json(os.path.join(snap.path, name)))
+    if not weights and not listed:  # a cached snapshot without its file list: incomplete
+        from huggingface_hub import constants
+
+        raise ValueError(_not_cached(repo_id, revision, snap.cache_dir,
+                                     constants.is_offline_mode(),
+                                     "the cached snapshot holds no weight files"))
     if not weights:
         raise ValueError(
             f"Hugging Face Hub model {snap.describe()} has no supported weights: no *.safetensors "
@@ -142,7 +148,7 @@ def resolve_tokenizer(repo_id: str, revision: str | None = None,
                       download_dir: str | None = None) -> HubSnapshot:
     """A tokenizer-only repo (or another revision of the model's): config.json and the
     tokenizer and chat-template files."""
-    snap, _ = _fetch(repo_id, revision, download_dir, ["config.json", *TOKENIZER_FILES])
+    snap, _, _ = _fetch(repo_id, revision, download_dir, ["config.json", *TOKENIZER_FILES])
     logger.info("Hugging Face Hub tokenizer %s: revision %s is commit %s", repo_id,
                 snap.revision_name, snap.commit)
     return snap
@@ -176,10 +182,11 @@ def download_weights(snap: HubSnapshot, show_progress: bool = True) -> list[str]
 
 # ---- internals ---------------------------------------------------------------------------
 def _fetch(repo_id: str, revision: str | None, download_dir: str | None,
-           patterns: list[str]) -> tuple[HubSnapshot, list[str]]:
-    """Resolve the revision, download the files matching `patterns`, return the snapshot and
-    the repo's file list (from huggingface_hub's cached listing of the commit, else what the
-    snapshot folder holds: a cache made by hand or by an older huggingface_hub)."""
+           patterns: list[str]) -> tuple[HubSnapshot, list[str], bool]:
+    """Resolve the revision, download the files matching `patterns`, return the snapshot, the
+    repo's file list and whether that list is the repo's (huggingface_hub's cached listing
+    of the commit) rather than what the snapshot folder holds (a cache made by hand or by an
+    older huggingface_hub, read offline)."""
     from huggingface_hub import HfApi, constants, get_cached_repo_tree, snapshot_download
     from huggingface_hub.errors import CachedRepoTreeNotFoundError
 
@@ -193,10 +200,11 @@ def _fetch(repo_id: str, revision: str | None, download_dir: str | None,
     try:
         listing = [f.path for f in get_cached_repo_tree(repo_id, revision=resolved,
                                                         cache_dir=cache_dir)]
+        listed = True
     except CachedRepoTreeNotFoundError:
-        listing = _files_under(path)
+        listing, listed = _files_under(path), False
     snap = HubSnapshot(repo_id, revision, resolved.resolved, path, cache_dir)
-    return snap, listing
+    return snap, listing, listed
 
 
 def _files_under(folder: str) -> list[str]:
