@@ -86,7 +86,9 @@ def test_family_matches_transformers_o0(checkpoints, family):
     path = checkpoints(family)
     llm = LLM(model=path, optimization_level=0, **ENGINE)
     try:
-        assert llm.llm_engine.vllm_config.model_config.is_moe == (family in MOE)
+        model_config = llm.llm_engine.vllm_config.model_config
+        assert model_config.is_moe == (family in MOE)
+        assert not model_config.is_quantized
         check_against_transformers(llm, path)
     finally:
         llm.llm_engine.shutdown()
