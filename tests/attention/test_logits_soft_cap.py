@@ -414,3 +414,91 @@ def test_layer_and_selector_refuse_backends_without_soft_cap_support(monkeypatch
                       "with a soft cap use TORCH_SDPA"]
     layer = Attention(4, 16, 0.25, prefix="model.layers.4.self_attn.attn", logits_soft_cap=30.0)
     assert layer.attn_backend is TorchSDPABackend
+
+
+# --- TRITON_ATTN: the Triton decode kernel ---------------------------------------------------
+
+def test_triton_attn_supports_caps_and_hands_the_cap_to_its_decode_kernel(monkeypatch):
+    """No Triton needed: a fake kernel module records what the impl passes."""
+    import types
+
+    from vllm.attention.backends.triton_attn import (
+        TritonAttentionBackend,
+        TritonAttentionImpl,
+        TritonAttentionMetadataBuilder,
+    )
+
+    assert TritonAttentionBackend.supports_logits_soft_cap
+    calls = []
+    fake = types.ModuleType("triton_decode_kernel")
+    fake.paged_decode = lambda *a, **k: calls.append((k.get("window"), k.get("soft_cap")))
+    monkeypatch.setitem(sys.modules, "vllm.attention.backends.triton_decode_kernel", fake)
+    md = TritonAttentionMetadataBuilder(max_rows=4, max_blocks=2).build(
+        [1, 1], [3, 1], [[1], [2]], [18, 32])
+    for cap, window in [(50.0, None), (None, 4)]:
+        impl = TritonAttentionImpl(2, 8, 0.3, num_kv_heads=1, sliding_window=window,
+                                   logits_soft_cap=cap)
+        query, key = torch.randn(2, 16), torch.randn(2, 8)
+        impl.forward(None, query, key, key.clone(), torch.zeros(2, 3, 16, 1, 8), md,
+                     torch.empty_like(query))
+    assert calls == [(None, 50.0), (4, None)]
+
+
+def run_with_interpreter(code: str) -> str:
+    """`code`'s stdout, run in a new process with Triton's interpreter on (CPU platform)."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "VLLM_PLATFORM": "cpu",
+           "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("VLLM_ATTENTION_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@needs_triton
+def test_triton_decode_kernel_with_a_cap_in_the_interpreter():
+    """The kernel against the reference (GQA, block sizes 4 and 16, a window, padding rows,
+    float32 and bfloat16), then TritonAttentionImpl on a uniform decode batch (the kernel
+    path) against the dense float64 reference."""
+    out = run_with_interpreter("""
+        import torch
+        from vllm.attention.backends.cpu_paged_kernel import paged_attention_reference
+        from vllm.attention.backends.triton_attn import (TritonAttentionImpl,
+                                                         TritonAttentionMetadataBuilder)
+        from vllm.attention.backends.triton_decode_kernel import paged_decode
+        from tests.attention.test_logits_soft_cap import run_impl
+        torch.manual_seed(0)
+        for heads, kv_heads, head_size, block_size, window, cap, dtype in [
+                (4, 2, 16, 4, None, 2.0, torch.float32), (6, 2, 24, 16, 5, 0.5, torch.float32),
+                (8, 1, 16, 16, 9, 3.0, torch.bfloat16)]:
+            kv = torch.randn(2, 12, block_size, kv_heads, head_size).to(dtype)
+            lens = [min(n, 8 * block_size) for n in (7, 1, 0, 13, 30)]
+            table = torch.zeros(7, 8, dtype=torch.int32)
+            for i in range(5):
+                table[i] = torch.randperm(11)[:8].int() + 1
+            q = (torch.randn(5, heads, head_size) * 4).to(dtype)
+            out = torch.full((5, heads, head_size), 7.0, dtype=dtype)
+            paged_decode(q, kv, table, torch.tensor(lens + [0, 0]), 0.3, out, window,
+                         soft_cap=cap)
+            live = torch.tensor([i for i in range(5) if lens[i]])
+            ref, plain = torch.zeros(2, 5, heads, head_size)
+            args = (q.float(), kv.float(), table[:5], torch.tensor(lens), torch.arange(6), live,
+                    0.3)
+            paged_attention_reference(*args, ref, window, soft_cap=cap)
+            paged_attention_reference(*args, plain, window)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+            assert (plain - ref).abs().max() > 0.1  # the cap matters here
+            assert out[2].abs().max() == 0
+        decodes = [(40, 1), (7, 1), (0, 1), (31, 1)]
+        for window in (None, 6):
+            ours, dense = run_impl(torch.float32, 6, 2, 16, 4, window, 2.0,
+                                   impl_cls=TritonAttentionImpl,
+                                   builder=TritonAttentionMetadataBuilder(max_rows=8,
+                                                                          max_blocks=16),
+                                   requests=decodes)
+            torch.testing.assert_close(ours.double(), dense, atol=1e-5, rtol=1e-5)
+        print("OK")
+    """)
+    assert out.strip().endswith("OK")

@@ -114,7 +114,7 @@ def test_a_kv_cache_of_another_dtype_still_takes_the_graph_safe_decode_path(monk
 
     calls = []
     fake = types.ModuleType("triton_decode_kernel")
-    fake.paged_decode = lambda q, kv, table, lens, scale, out, window=None: calls.append(
+    fake.paged_decode = lambda q, kv, table, lens, scale, out, **kw: calls.append(
         (kv.dtype, lens.tolist()))
     monkeypatch.setitem(sys.modules, "vllm.attention.backends.triton_decode_kernel", fake)
     monkeypatch.setattr(torch_sdpa.TorchSDPAImpl, "forward", lambda *a, **k: pytest.fail(

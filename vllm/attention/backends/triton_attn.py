@@ -13,6 +13,9 @@ Every other batch (prompts, chunks, mixed) runs TORCH_SDPA's path; under FULL_AN
 those batches replay piecewise graphs, with attention eager between the pieces. So the backend
 reports `UNIFORM_SINGLE_TOKEN_DECODE`: full graphs for decode, piecewise for the rest.
 
+A layer's sliding window and logits soft-cap are applied on both paths (the kernel takes
+them as arguments).
+
 Needs Triton; on the CPU the kernel runs only in Triton's interpreter (tests).
 """
 from __future__ import annotations
@@ -144,7 +147,7 @@ class TritonAttentionImpl(TorchSDPAImpl):
 
             paged_decode(query.view(rows, heads, head_size), kv_cache, md.decode_block_table,
                          md.decode_seq_lens, self.scale, result.view(rows, heads, head_size),
-                         window=self.sliding_window)
+                         window=self.sliding_window, soft_cap=self.logits_soft_cap)
         except Exception as e:
             raise RuntimeError(
                 f"the TRITON_ATTN decode kernel failed ({type(e).__name__}: {e}); "
@@ -158,7 +161,7 @@ class TritonAttentionImpl(TorchSDPAImpl):
 class TritonAttentionBackend(TorchSDPABackend):
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     supports_sliding_window = True
-    supports_logits_soft_cap = False  # the decode kernel does not apply it yet
+    supports_logits_soft_cap = True
 
     @staticmethod
     def get_name() -> str:
