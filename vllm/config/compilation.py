@@ -16,6 +16,7 @@ from vllm.config.utils import (
     compile_ranges,
     config_from_dict,
     hash_fields,
+    raises_validation_error,
     to_jsonable,
 )
 from vllm.logger import init_logger
@@ -162,6 +163,7 @@ class PassConfig:
     sp_min_token_num: int | None = None
     """Smallest token count sequence parallelism would run for. No pass here."""
 
+    @raises_validation_error
     def __post_init__(self) -> None:
         check_bool_fields(self, "pass_config")
         if self.sp_min_token_num is not None and (
@@ -233,6 +235,7 @@ class CompilationConfig:
     """The resolved token budget (scheduler_config's), recorded by `VllmConfig` for
     `get_compile_ranges()`; not a setting."""
 
+    @raises_validation_error
     def __post_init__(self) -> None:
         if self.mode is not None:
             self.mode = CompilationMode.parse(self.mode)

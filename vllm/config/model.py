@@ -119,7 +119,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_bool_fields(self, "model_config")  # enforce_eager="no" would be truthy
-        self.dtype = _DTYPE_ALIASES.get(str(self.dtype), str(self.dtype))
+        # A torch.dtype (upstream accepts one) is read as its name: torch.bfloat16 -> bfloat16.
+        name = str(self.dtype).removeprefix("torch.")
+        self.dtype = _DTYPE_ALIASES.get(name, name)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of "
                              + ", ".join(_DTYPES))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
 
-from vllm.config.utils import hash_fields
+from vllm.config.utils import hash_fields, raises_validation_error
 
 
 @dataclass
@@ -26,6 +26,7 @@ class SchedulerConfig:
         (upstream's constructor for configs built outside `EngineArgs`)."""
         return cls(**kwargs)
 
+    @raises_validation_error
     def __post_init__(self, is_encoder_decoder: bool = False) -> None:
         if is_encoder_decoder:
             raise ValueError("is_encoder_decoder=True: encoder-decoder models are not "

@@ -4,10 +4,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 _SIZE_UNITS = {
@@ -54,6 +56,48 @@ def compile_ranges(endpoints: list[int] | None, max_num_batched_tokens: int) -> 
         ranges.append(Range(start, end))
         start = end + 1
     return ranges
+
+
+@functools.cache
+def _validation_error_class() -> type:
+    from pydantic_core import ValidationError
+
+    class ConfigValidationError(ValidationError):
+        """A config's invalid or contradictory settings: pydantic's `ValidationError` (what
+        upstream's pydantic configs raise; a `ValueError` too), printed as our one-line
+        message rather than pydantic's report."""
+
+        def __str__(self) -> str:
+            return str(self.errors(include_url=False)[0]["ctx"]["error"])
+
+    return ConfigValidationError
+
+
+def as_validation_error(config_name: str, exc: ValueError) -> ValueError:
+    """`exc` as a `ConfigValidationError` of `config_name` with the same message (itself when it
+    already is a pydantic ValidationError)."""
+    cls = _validation_error_class()
+    if isinstance(exc, cls.__mro__[1]):
+        return exc
+    return cls.from_exception_data(config_name, [
+        {"type": "value_error", "loc": (), "input": None, "ctx": {"error": exc}}])
+
+
+def raises_validation_error(post_init: Callable[..., None]) -> Callable[..., None]:
+    """Decorate a config's `__post_init__`: a ValueError it raises leaves as a pydantic
+    ValidationError with the same message (see `as_validation_error`)."""
+
+    @functools.wraps(post_init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            post_init(self, *args, **kwargs)
+        except ValueError as exc:
+            error = as_validation_error(type(self).__name__, exc)
+            if error is exc:
+                raise
+            raise error.with_traceback(exc.__traceback__) from None
+
+    return wrapper
 
 
 def parse_human_size(value: Any, what: str = "size") -> int:

@@ -29,7 +29,7 @@ from vllm.config.load import LoadConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
-from vllm.config.utils import directory_problem, to_jsonable
+from vllm.config.utils import directory_problem, raises_validation_error, to_jsonable
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -69,6 +69,7 @@ class VllmConfig:
     provenance: dict[str, Provenance] = field(default_factory=dict, init=False, repr=False)
 
     # ---- resolution ---------------------------------------------------------------------
+    @raises_validation_error
     def __post_init__(self) -> None:
         from vllm.platforms import get_current_platform
 

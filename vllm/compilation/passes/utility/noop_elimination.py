@@ -30,6 +30,19 @@ def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def _erase_dead(graph: fx.Graph, candidates: list[fx.Node]) -> None:
+    """Erase the candidates a rewrite left without users, and then their inputs in turn, so
+    that the pass leaves no dead nodes of its own (side-effecting ops are kept)."""
+    work = list(candidates)
+    while work:
+        node = work.pop()
+        if (getattr(node, "_erased", False) or node.graph is not graph
+                or node.op != "call_function" or node.users or node.is_impure()):
+            continue
+        work.extend(node.all_input_nodes)
+        graph.erase_node(node)
+
+
 def _same(a: Any, b: Any) -> bool:
     """a == b for ints and SymInts, when statically known."""
     if isinstance(a, int) and isinstance(b, int):
@@ -67,12 +80,19 @@ class NoOpEliminationPass(VllmInductorPass):
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
+            # (inputs first: a rewrite may leave them without users)
+            inputs = list(node.all_input_nodes)
             if node.target in _RESHAPES:
-                count += self._reshape(graph, node)
+                done = self._reshape(graph, node)
             elif node.target == aten.slice.Tensor:
-                count += self._slice(node)
+                done = self._slice(node)
             elif node.target == aten.slice_scatter.default:
-                count += self._slice_scatter(node)
+                done = self._slice_scatter(node)
+            else:
+                continue
+            if done:
+                count += done
+                _erase_dead(graph, inputs)
         return count
 
     def _reshape(self, graph: fx.Graph, node: fx.Node) -> int:
