@@ -1,7 +1,6 @@
 """GPT-2 and OPT give transformers' logits over the paged KV cache (prefill, chunked prefill
 with cached context, decode, padding lanes) for their config variants and checkpoint
-layouts; TP=2 on the CPU gives the TP=1 logits; the forward traces as one Dynamo graph with
-one attention op per layer."""
+layouts. TP=2 and the one-graph trace: tests/model_executor/test_tp_families.py."""
 from __future__ import annotations
 
 import json
@@ -9,14 +8,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.model_executor.hf_checkpoints import make_gpt2, make_opt
 from tests.model_executor.paged_runner import PagedRunner
-from tests.model_executor.test_models_vs_hf import build, hf_logits, random_tokens, run_scenario
-from tests.model_executor.test_tp_and_tracing import free_port, run_steps
-from vllm.config import ModelConfig, ParallelConfig, VllmConfig
-from vllm.model_executor.model_loader import get_model
+from tests.model_executor.test_models_vs_hf import build, random_tokens, run_scenario
 
 MAKERS = {"gpt2": make_gpt2, "opt": make_opt}
 
@@ -195,108 +190,3 @@ def test_opt_missing_and_unknown_tensors_are_named(checkpoints, tmp_path):
                          lambda n: n.replace("layers.1.fc1", "layers.1.fc3"))
     with pytest.raises(ValueError, match="unexpected tensor 'model.decoder.layers.1.fc3"):
         build(path)
-
-
-# ---------------------------------------------------------------- TP=2 and tracing
-
-def _tp_config(path: str, tp: int = 1) -> VllmConfig:
-    return VllmConfig(model_config=ModelConfig(model=path, dtype="float32"),
-                      parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                      optimization_level=0)
-
-
-def _tp_worker(rank, world, port, paths, out_dir):
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    torch.set_num_threads(1)
-    init_distributed_environment(world, rank, "gloo", f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(world)
-    try:
-        for name, path in paths.items():
-            config = _tp_config(path, tp=world)
-            model = get_model(config)
-            logits = run_steps(model, config)
-            if rank == 0:
-                heads = next(iter(model.attention_layers.values())).num_heads
-                torch.save((heads, logits), os.path.join(out_dir, f"{name}.pt"))
-    finally:
-        destroy_distributed_environment()
-
-
-@pytest.mark.slow
-def test_tensor_parallel_2_matches_tp_1(checkpoints, tmp_path, cpu_platform):
-    """GPT-2 (fused Conv1D q|k|v split by heads, transposed on load) and OPT with
-    project_in/out and post-LN, each over 2 gloo ranks."""
-    paths = {"gpt2": checkpoints("gpt2"),
-             "opt": checkpoints("opt", word_embed_proj_dim=32, do_layer_norm_before=False)}
-    mp.start_processes(_tp_worker, args=(2, free_port(), paths, str(tmp_path)), nprocs=2,
-                       start_method="spawn")
-    for name, path in paths.items():
-        config = _tp_config(path)
-        expected = run_steps(get_model(config), config)
-        heads, got = torch.load(tmp_path / f"{name}.pt")
-        assert heads == 2, f"{name}: 4 heads over 2 ranks"
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=name)
-
-
-@pytest.mark.parametrize("family, overrides", [
-    ("gpt2", {}), ("opt", {"word_embed_proj_dim": 32, "do_layer_norm_before": False})])
-def test_forward_traces_as_one_graph(checkpoints, family, overrides):
-    config = _tp_config(checkpoints(family, **overrides))
-    model = get_model(config)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=True)
-    expected = run_steps(model, config)
-    model.forward = compiled
-    try:
-        got = run_steps(model, config)
-    finally:
-        del model.forward
-        torch._dynamo.reset()
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    assert len(graphs) == 1, "a shape or value change caused a recompile"
-    op = torch.ops.vllm.unified_attention_with_output
-    attention_calls = [node for node in graphs[0].graph.nodes
-                       if node.target in (op, op.default)]
-    assert len(attention_calls) == config.model_config.get_num_layers() == 2
-
-
-# ---------------------------------------------------------------- the engine at -O2
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "opt"])
-def test_llm_o2_greedy_matches_o0(tmp_path, family):
-    """Smoke: LLM at -O2 (VLLM_COMPILE through the model's @support_torch_compile stack)
-    generates the -O0 greedy tokens."""
-    from vllm import LLM, SamplingParams
-
-    path = MAKERS[family](tmp_path / family)  # with a tokenizer
-    engine = {"max_model_len": 128, "block_size": 4, "kv_cache_memory": "16MiB",
-              "dtype": "float32"}
-    prompts = [{"prompt_token_ids": random_tokens(n, n)} for n in (5, 23)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
-    tokens = {}
-    for level in (0, 2):
-        kwargs = {"compilation_config": {"cache_dir": str(tmp_path / "cc")}} if level else {}
-        llm = LLM(model=path, optimization_level=level, **engine, **kwargs)
-        try:
-            if level:
-                assert llm.llm_engine.vllm_config.compilation_config.mode == 3
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            tokens[level] = [list(o.outputs[0].token_ids) for o in outs]
-        finally:
-            llm.llm_engine.shutdown()
-    assert tokens[2] == tokens[0]
-    assert all(len(t) == 8 for t in tokens[0])
-    reference = hf_logits(path, {"p": prompts[0]["prompt_token_ids"]})["p"]
-    assert tokens[0][0][0] == int(reference[-1].argmax())
