@@ -263,3 +263,28 @@ def test_mixtral_stacked_expert_checkpoint(checkpoints, tmp_path):
     assert "model.layers.0.mlp.experts.gate_up_proj" in names
     assert not any("block_sparse_moe" in name for name in names)
     run_scenario(stacked, 16)
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+@pytest.mark.parametrize("family", ["phi3", "qwen3_moe", "gpt2"])
+def test_half_precision_checkpoint_with_dtype_auto(checkpoints, tmp_path, family, stored):
+    """A checkpoint saved in bfloat16/float16 loads with dtype="auto": the compute dtype is
+    the platform's choice (as stored, or float32 on a CPU without native bf16), every
+    parameter is in it, and the logits stay near transformers' float32 ones."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path / f"{family}-{stored}")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints(family), dtype=torch.float32)
+    hf.to(getattr(torch, stored)).save_pretrained(path)
+    config = VllmConfig(model_config=ModelConfig(model=path, dtype="auto"),
+                        optimization_level=0)
+    model_config = config.model_config
+    assert model_config.checkpoint_dtype == stored
+    expected_dtype, _ = current_platform.resolve_auto_dtype(model_config)
+    assert model_config.resolved_dtype == expected_dtype
+    model = get_model(config)
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, expected_dtype)}
+    prompt = random_tokens(13, 8)
+    logits = PagedRunner(model, config).step([("p", prompt)])["p"]
+    reference = hf_logits(path, {"p": prompt})["p"]  # the rounded weights, in float32
+    torch.testing.assert_close(logits, reference, atol=0.15, rtol=0.05)
