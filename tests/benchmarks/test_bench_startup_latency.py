@@ -33,7 +33,7 @@ def test_bench_commands_are_registered():
     args = parser.parse_args(["bench", "latency", "--model", "m", "-O1"])
     assert args.bench_type == "latency" and int(args.optimization_level) == 1
     args = parser.parse_args(["bench", "startup", "--model", "m", "-O1"])
-    assert args.bench_type == "startup" and args.optimization_level == [1]
+    assert args.bench_type == "startup" and [int(x) for x in args.optimization_level] == [1]
 
 
 def test_bench_help_keeps_the_example_commands_on_their_lines(capsys):
