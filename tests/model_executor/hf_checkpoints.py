@@ -227,6 +227,19 @@ MAKERS = {"llama": make_llama, "qwen2": make_qwen2, "qwen3": make_qwen3,
           "qwen2_moe": make_qwen2_moe, "qwen3_moe": make_qwen3_moe}
 
 
+def randomize_norm_weights(path: str, seed: int = 0) -> None:
+    """Give every `*norm.weight` of the checkpoint random values (std 0.5)."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.5
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 def lazy_checkpoints(root: Any, overrides: dict[str, dict[str, Any]] | None = None
                      ) -> Callable[[str], str]:
     """For module-scoped fixtures: name -> the path of a `MAKERS[name]` checkpoint under

@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.model_executor.hf_checkpoints import MAKERS
 from tests.model_executor.paged_runner import PagedRunner
 from tests.model_executor.test_models_vs_hf import (
     build,
@@ -40,40 +39,7 @@ from vllm.model_executor.models.gemma3 import gemma3_rope_parameters
 VOCAB = 384
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def randomize_norm_weights(path: str, seed: int = 0) -> None:
-    """Give every `*norm.weight` of the checkpoint random values (std 0.5)."""
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    generator = torch.Generator().manual_seed(seed)
-    for name, tensor in tensors.items():
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.5
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name, config overrides -> a checkpoint folder with random norm weights (made once)."""
-    root = tmp_path_factory.mktemp("gemma")
-    made: dict[str, str] = {}
-
-    def get(name: str, **overrides) -> str:
-        key = name + json.dumps(overrides, sort_keys=True)
-        if key not in made:
-            path = MAKERS[name](root / f"{name}-{len(made)}", tokenizer=False, **overrides)
-            randomize_norm_weights(path)
-            made[key] = path
-        return made[key]
-
-    return get
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("block_size", [16, 4])

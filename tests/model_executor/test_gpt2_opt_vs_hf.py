@@ -9,35 +9,10 @@ import os
 import pytest
 import torch
 
-from tests.model_executor.hf_checkpoints import make_gpt2, make_opt
 from tests.model_executor.paged_runner import PagedRunner
 from tests.model_executor.test_models_vs_hf import build, random_tokens, run_scenario
 
-MAKERS = {"gpt2": make_gpt2, "opt": make_opt}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(family, **config overrides) -> a checkpoint folder, made once per module."""
-    root = tmp_path_factory.mktemp("gpt2_opt")
-    made: dict[str, str] = {}
-
-    def get(family: str, **overrides) -> str:
-        key = family + json.dumps(overrides, sort_keys=True)
-        if key not in made:
-            made[key] = MAKERS[family](root / f"{family}-{len(made)}", tokenizer=False,
-                                       **overrides)
-        return made[key]
-
-    return get
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rewrite_names(src: str, dst, rename, extra: dict[str, torch.Tensor] | None = None) -> str:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.model_executor.hf_checkpoints import LLAMA3_ROPE_SCALING, MAKERS, YARN_ROPE_SCALING
+from tests.model_executor.hf_checkpoints import LLAMA3_ROPE_SCALING, YARN_ROPE_SCALING
 from tests.model_executor.paged_runner import PagedRunner
 from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
 from vllm.model_executor.model_loader import get_model
@@ -18,28 +18,7 @@ ATOL = 1e-4
 VOCAB = 384
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """Lazily created checkpoint folders, one per (name, variant)."""
-    root = tmp_path_factory.mktemp("ckpt")
-    made: dict[str, str] = {}
-
-    def get(name: str, **overrides) -> str:
-        key = name + json.dumps(overrides, sort_keys=True)
-        if key not in made:
-            maker = MAKERS[name.split("-")[0]]
-            made[key] = maker(root / f"{name}-{len(made)}", tokenizer=False, **overrides)
-        return made[key]
-
-    return get
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(path: str, block_size: int = 16, custom_ops: list[str] | None = None):

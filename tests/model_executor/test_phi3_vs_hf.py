@@ -37,12 +37,7 @@ def longrope(original: int, pairs: int = HEAD_DIM // 2, **extra) -> dict:
             "original_max_position_embeddings": original, **extra}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

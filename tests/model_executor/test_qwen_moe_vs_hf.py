@@ -4,13 +4,11 @@ mlp_only_layers, decoder_sparse_step, sliding windows, and expert tensors stored
 (Hub checkpoints, transformers 5's default save) or stacked over the experts."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
-from tests.model_executor.hf_checkpoints import MAKERS
 from tests.model_executor.test_models_vs_hf import build, run_scenario
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.fused_moe import FusedMoE
@@ -24,28 +22,7 @@ from vllm.model_executor.models.qwen2_moe import (
 FAMILIES = ["qwen2_moe", "qwen3_moe"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(family, **config overrides) -> a checkpoint folder, made once per module."""
-    root = tmp_path_factory.mktemp("qwen_moe")
-    made: dict[str, str] = {}
-
-    def get(family: str, **overrides) -> str:
-        key = family + json.dumps(overrides, sort_keys=True)
-        if key not in made:
-            made[key] = MAKERS[family](root / f"{family}-{len(made)}", tokenizer=False,
-                                       **overrides)
-        return made[key]
-
-    return get
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mlp_kinds(model) -> list[str]:

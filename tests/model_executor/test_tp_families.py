@@ -14,9 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.model_executor.hf_checkpoints import MAKERS
 from tests.model_executor.paged_runner import PagedRunner
-from tests.model_executor.test_gemma_vs_hf import randomize_norm_weights
 from vllm.config import ModelConfig, ParallelConfig, VllmConfig
 from vllm.model_executor.model_loader import get_model
 
@@ -89,21 +87,9 @@ def _unused_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """case -> its checkpoint folder (made on first use; Gemma's norm weights randomised, as
-    transformers initialises them to the identity)."""
-    root = tmp_path_factory.mktemp("tp_families")
-    made: dict[str, str] = {}
-
-    def get(case: str) -> str:
-        if case not in made:
-            family, overrides = CASES[case]
-            made[case] = MAKERS[family](root / case, tokenizer=False, **overrides)
-            if family.startswith("gemma"):
-                randomize_norm_weights(made[case])
-        return made[case]
-
-    return get
+def checkpoint(checkpoints):
+    """case -> its checkpoint folder (made on first use)."""
+    return lambda case: checkpoints(CASES[case][0], **CASES[case][1])
 
 
 @pytest.fixture(scope="module")
