@@ -14,10 +14,10 @@ from fake_engine import FakeEngine, greedy_continuation
 from server_utils import serve_in_thread
 
 from vllm.engine.async_llm import AsyncLLM
+from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.api_server import build_app
 from vllm.entrypoints.openai.frontend_options import FrontendOptions
 from vllm.entrypoints.openai.metrics import metric_value
-from vllm.entrypoints.openai.serving_chat import load_chat_template
 
 MODEL = "fake"
 

@@ -152,7 +152,7 @@ def check_sampling_fields(kwargs: dict[str, Any]) -> None:
     SamplingParams field, or whose value is out of what the engine allows: `n` in
     [1, MAX_N] (the OpenAI server's cap), integers within int64, finite numbers. The value
     rules of each field (top_p in (0, 1] ...) are SamplingParams' own."""
-    from vllm.entrypoints.openai.serving_completion import MAX_N
+    from vllm.entrypoints.openai.serving_engine import MAX_N
     from vllm.sampling_params import SamplingParams
 
     known = {f.name for f in dataclasses.fields(SamplingParams) if f.init}

@@ -44,7 +44,8 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.request_guard import RequestGuard, RootPathMiddleware
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.serving_completion import ClientDisconnected, OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import ClientDisconnected
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -323,7 +324,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine from the parsed flags (EngineArgs' plus those of
-    `vllm.entrypoints.cli.serve.add_server_args`), serve until SIGTERM/SIGINT, return 0;
+    `vllm.entrypoints.openai.cli_args.make_arg_parser`), serve until SIGTERM/SIGINT, return 0;
     return 1 when the engine dies (the server stops at once: a supervisor should restart
     it) or uvicorn could not start. Raises ValueError for flags that cannot be resolved (the
     CLI prints them)."""
@@ -391,14 +392,13 @@ def example_curl(served: str, host: str, port: int, api_key: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m vllm.entrypoints.openai.api_server --model M [flags]`: upstream's module
     entry point, the same server and flags as `vllm serve M`."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import add_server_args
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(
         prog="python -m vllm.entrypoints.openai.api_server",
         description="The OpenAI-compatible server (the same as `vllm serve`).")
-    EngineArgs.add_cli_args(add_server_args(parser))
+    make_arg_parser(parser)
     args = parser.parse_args(None if argv is None else list(argv))
     try:
         return run_server(args)

@@ -54,7 +54,7 @@ class FrontendOptions:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> FrontendOptions:
         """From `vllm serve`'s parsed flags; raises ValueError naming a bad one."""
-        from vllm.entrypoints.openai.serving_chat import load_chat_template
+        from vllm.entrypoints.chat_utils import load_chat_template
 
         if args.max_log_len is not None and args.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")

@@ -1,5 +1,5 @@
 """/v1/chat/completions: messages rendered with the tokenizer's chat template, then generated
-like a completion (see `OpenAIServing` in serving_completion.py)."""
+like a completion (see `OpenAIServing` in serving_engine.py)."""
 from __future__ import annotations
 
 import time
@@ -13,40 +13,13 @@ from vllm.entrypoints.openai.protocol import (
     error_body,
     normalize_messages,
 )
-from vllm.entrypoints.openai.serving_completion import (
+from vllm.entrypoints.openai.serving_engine import (
     ClosingStream,
     OpenAIServing,
     random_id,
     sse,
 )
 from vllm.outputs import RequestOutput
-
-# Characters that mark a --chat-template value as a template rather than a file path.
-_TEMPLATE_MARKS = ("{", "}", "\n")
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file's path (its text is the template) or the template itself.
-    Raises ValueError for a value that looks like a path but cannot be read."""
-    if value is None:
-        return None
-    try:
-        with open(value, encoding="utf-8") as f:
-            template = f.read()
-    except OSError as exc:
-        if not any(mark in value for mark in _TEMPLATE_MARKS):
-            raise ValueError(f"--chat-template {value!r} looks like a file path, but it "
-                             f"cannot be read ({exc.strerror or exc}); give a readable Jinja "
-                             f"file or the template text itself") from None
-        template = value
-    import jinja2
-
-    try:
-        jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"--chat-template is not a valid Jinja template: {exc.message} "
-                         f"(line {exc.lineno})") from None
-    return template
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -32,7 +32,7 @@ from typing import Any
 from vllm.engine.async_llm import EngineError, RequestStream
 from vllm.entrypoints.openai.protocol import OpenAIError, ResponsesRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.serving_completion import ClosingStream
+from vllm.entrypoints.openai.serving_engine import ClosingStream
 from vllm.outputs import RequestOutput
 from vllm.utils import random_uuid
 
