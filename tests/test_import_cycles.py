@@ -39,6 +39,7 @@ ONCE_CIRCULAR = [
     "vllm.config",
     "vllm.platforms",
     "vllm.model_executor.custom_op",
+    "vllm.utils.startup_timer",
 ]
 
 

@@ -196,7 +196,7 @@ def test_a_cpu_kernel_build_logs_while_it_lasts(tmp_path, monkeypatch, clock, wa
 
 def test_a_long_start_up_phase_logs_unless_a_wait_inside_it_reports(monkeypatch, clock,
                                                                      watcher, caplog):
-    from vllm.compilation.monitor import StartupTimer
+    from vllm.utils.startup_timer import StartupTimer
 
     monkeypatch.setattr(progress, "_watcher", watcher)
     caplog.set_level(logging.INFO)

@@ -153,7 +153,7 @@ def test_torch_backends_trace_once(mode):
 def test_stock_inductor_compile_is_its_own_startup_row():
     """STOCK_TORCH_COMPILE with Inductor: the compile is an "inductor compilation" event, not
     part of the "dynamo tracing" row (it was booked there, with 0 compiles shown)."""
-    from vllm.compilation.monitor import reset_startup_timer
+    from vllm.utils.startup_timer import reset_startup_timer
 
     model = build(make_config(mode=CompilationMode.STOCK_TORCH_COMPILE, backend="inductor",
                               splitting_ops=[]))

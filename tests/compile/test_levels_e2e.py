@@ -26,9 +26,9 @@ except ImportError:  # tests/ itself on sys.path
 
 from vllm import LLM, SamplingParams
 from vllm.compilation.counter import compilation_counter
-from vllm.compilation.monitor import STANDARD_PHASES
 from vllm.config.vllm import ATTENTION_OPS
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
+from vllm.utils.startup_timer import STANDARD_PHASES
 
 NUM_LAYERS = 2  # the TINY checkpoints
 # Prompt lengths from 1 to 37 tokens and output lengths from 3 to 10: with a 24-token step

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from vllm.compilation.counter import compilation_counter
-from vllm.compilation.monitor import get_startup_timer
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
+from vllm.utils.startup_timer import get_startup_timer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -40,9 +40,9 @@ import torch
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.debug_dump import CompilationStageError
 from vllm.compilation.graph_runner import GuardMismatch
-from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
 from vllm.config.compilation import CompilationMode
 from vllm.logger import init_logger
+from vllm.utils.startup_timer import CPU_KERNEL_BUILD, get_startup_timer
 
 logger = init_logger(__name__)
 

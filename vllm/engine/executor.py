@@ -71,7 +71,7 @@ class UniProcExecutor(Executor):
     def _start(self, load_format: str) -> None:
         """Start every worker; each step is a phase of the process-wide start-up timer, less
         the Dynamo trace, compiles and captures run inside it (phases of their own)."""
-        from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
+        from vllm.utils.startup_timer import CPU_KERNEL_BUILD, get_startup_timer
 
         timer = get_startup_timer()
         # Phases recorded where they happen, inside the two below: on CUDA the KV cache sizing's

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.compilation.monitor import StartupTimer, reset_startup_timer
 from vllm.config.model import GENERATION_CONFIG_KEYS
 from vllm.engine.executor import Executor
 from vllm.engine.output_processor import OutputProcessor
@@ -20,6 +19,7 @@ from vllm.engine.step_recovery import StepRecovery
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams, truncate_prompt
+from vllm.utils.startup_timer import StartupTimer, reset_startup_timer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

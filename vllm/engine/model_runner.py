@@ -182,7 +182,7 @@ class ModelRunner:
         from vllm.compilation.counter import compilation_counter
         from vllm.compilation.cuda_graph import CUDAGraphWrapper
         from vllm.compilation.cudagraph_dispatcher import CudagraphDispatcher
-        from vllm.compilation.monitor import get_startup_timer
+        from vllm.utils.startup_timer import get_startup_timer
 
         dispatcher = CudagraphDispatcher(self.vllm_config)
         dispatcher.initialize_cudagraph_keys(mode)

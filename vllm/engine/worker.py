@@ -163,10 +163,10 @@ class Worker:
     def compile_or_warm_up_model(self) -> None:
         """Warm-up forwards that compile the model (Dynamo trace, the dynamic graph, each
         compile size) and capture the CUDA graphs, before the engine reports ready."""
-        from vllm.compilation.monitor import get_startup_timer
         from vllm.model_executor.layers.cpu_prepacked_linear import (
             finish_prepacking_in_background,
         )
+        from vllm.utils.startup_timer import get_startup_timer
 
         self.model_runner.compile_or_warm_up_model()
         # The weights queued while loading (CPU, -O2/-O3) are finished after ready: until then

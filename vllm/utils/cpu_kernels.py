@@ -116,7 +116,7 @@ def _build_and_load(name: str, source_path: str, source_text: str | None) -> boo
                  extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
                  verbose=False)
         elapsed = time.perf_counter() - start
-        from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
+        from vllm.utils.startup_timer import CPU_KERNEL_BUILD, get_startup_timer
 
         get_startup_timer().record(CPU_KERNEL_BUILD, elapsed, kernel=name)
         return True

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from vllm.compilation.monitor import StartupTimer, get_startup_timer, reset_startup_timer
+from vllm.utils.startup_timer import StartupTimer, get_startup_timer, reset_startup_timer
 
 
 def test_phases_are_timed_summed_and_ordered():
@@ -89,8 +89,8 @@ def test_a_cpu_kernel_build_is_a_row_of_its_own(tmp_path, monkeypatch):
     loading / Dynamo tracing)."""
     import torch.utils.cpp_extension
 
-    from vllm.compilation.monitor import CPU_KERNEL_BUILD
     from vllm.utils import cpu_kernels
+    from vllm.utils.startup_timer import CPU_KERNEL_BUILD
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -110,3 +110,29 @@ def test_a_cpu_kernel_build_is_a_row_of_its_own(tmp_path, monkeypatch):
     assert timer.seconds("weight loading") < 0.08
     assert abs(timer.seconds("weight loading") + timer.seconds(CPU_KERNEL_BUILD) - wall) < 0.01
     assert timer.phases().index(CPU_KERNEL_BUILD) == timer.phases().index("weight loading") + 1
+
+
+def test_timer_lives_outside_compilation(tmp_path):
+    """The engine and utils time their start-up without importing the compile stack; the
+    old path (vllm.compilation.monitor) names the same objects."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = ("import sys, vllm.utils.startup_timer\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('vllm.compilation'))\n"
+            "assert not bad, bad\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    from test_import_cycles import import_graph
+
+    graph = import_graph()
+    users = sorted(m for m, deps in graph.items() if "vllm.compilation.monitor" in deps
+                   and not m.startswith("vllm.compilation."))
+    assert not users, f"import the timer from vllm.utils.startup_timer: {users}"
+    from vllm.compilation import monitor
+    from vllm.utils import startup_timer
+
+    assert monitor.get_startup_timer is startup_timer.get_startup_timer
