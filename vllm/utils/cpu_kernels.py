@@ -23,6 +23,7 @@ import threading
 import time
 
 from vllm.logger import init_logger
+from vllm.utils.file_utils import atomic_write
 from vllm.utils.progress import waiting
 
 logger = init_logger(__name__)
@@ -99,10 +100,7 @@ def _build_and_load(name: str, source_path: str, source_text: str | None) -> boo
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, os.path.basename(source_path))
         if not os.path.isfile(path):
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(source)
-            os.replace(tmp, path)
+            atomic_write(path, source)
         # (imported only to build: ~0.1 s, which a start that finds the library skips)
         from torch.utils.cpp_extension import load
 
