@@ -4,19 +4,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm.platforms.interface import Platform, PlatformEnum
+from vllm.utils.cpu_info import cpu_has_native_bf16
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matrix work runs in hardware (else torch emulates it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return any(flag in flags for flag in (" avx512_bf16", " amx_bf16"))
 
 
 class CpuPlatform(Platform):

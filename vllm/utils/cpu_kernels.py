@@ -23,6 +23,7 @@ import threading
 import time
 
 from vllm.logger import init_logger
+from vllm.utils.cpu_info import cpu_flags_text
 from vllm.utils.file_utils import atomic_write
 from vllm.utils.progress import waiting
 
@@ -32,19 +33,6 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.machine()
 
 
 def _default_cache_root() -> str:
@@ -85,7 +73,7 @@ def _build_and_load(name: str, source_path: str, source_text: str | None) -> boo
                 source_text = f.read()
         source = source_text
         digest = hashlib.sha256("\n".join([source, " ".join(CFLAGS), torch.__version__,
-                                           _cpu_flags()]).encode()).hexdigest()[:16]
+                                           cpu_flags_text()]).encode()).hexdigest()[:16]
         ext_name = f"vllm_{name}_{digest}"
         subdir = os.path.join(f"cpu_kernels_{name}", digest)
         directory = os.path.join(envs.VLLM_CACHE_ROOT, subdir)
