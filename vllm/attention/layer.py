@@ -1,17 +1,18 @@
 """The Attention layer and the attention custom op, the split point of piecewise compilation.
 
-`Attention.forward(q, k, v)` calls `torch.ops.vllm.unified_attention_with_output`, an opaque
-op to Dynamo: the compiled graph is split around it, and at run time it reads the batch's
-attention metadata and the layer (with its KV cache) from the forward context.
+`Attention.forward(q, k, v)` calls `attention_op`, i.e.
+`torch.ops.vllm.unified_attention_with_output` (its name, `ATTENTION_OP_NAME`, is defined once,
+in vllm/config/compilation.py), an opaque op to Dynamo: the compiled graph is split around it,
+and at run time it reads the batch's attention metadata and the layer (with its KV cache) from
+the forward context.
 """
 import torch
 import torch.nn as nn
 
 from vllm.attention.backends.abstract import check_logits_soft_cap, check_sliding_window
 from vllm.compilation.split import register_eager_impl
+from vllm.config.compilation import ATTENTION_OP_NAME
 from vllm.forward_context import get_forward_context
-
-ATTENTION_OP_NAME = "vllm::unified_attention_with_output"
 
 
 class Attention(nn.Module):
@@ -83,7 +84,7 @@ class Attention(nn.Module):
         """query [T, num_heads*head_size], key/value [T, num_kv_heads*head_size] ->
         [T, num_heads*head_size]."""
         output = torch.empty_like(query)
-        torch.ops.vllm.unified_attention_with_output(query, key, value, output, self.layer_name)
+        attention_op(query, key, value, output, self.layer_name)
         return output
 
     def get_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -134,16 +135,18 @@ def _unified_attention_with_output_fake(query: torch.Tensor, key: torch.Tensor,
 # once per layer per step, and custom_op's Python wrapper (argument and aliasing checks on
 # every call) cost ~9 us of the ~10 us a call took on the dev machine, against ~1 us for a
 # plain implementation (5-8% of a batch-1 decode step of the demo model).
-_lib = torch.library.Library("vllm", "FRAGMENT")  # noqa: TOR901
-_lib.define(ATTENTION_OP_NAME.split("::")[1]
-            + "(Tensor query, Tensor key, Tensor value, Tensor(a!) output, str layer_name, "
-              "Tensor? output_scale=None) -> ()")
-_lib.impl(ATTENTION_OP_NAME.split("::")[1], unified_attention_with_output,
-          "CompositeExplicitAutograd")
+_NAMESPACE, _OP = ATTENTION_OP_NAME.split("::")
+_lib = torch.library.Library(_NAMESPACE, "FRAGMENT")  # noqa: TOR901
+_lib.define(_OP + "(Tensor query, Tensor key, Tensor value, Tensor(a!) output, str layer_name, "
+                  "Tensor? output_scale=None) -> ()")
+_lib.impl(_OP, unified_attention_with_output, "CompositeExplicitAutograd")
 torch.library.register_fake(ATTENTION_OP_NAME, _unified_attention_with_output_fake, lib=_lib)
 # A splitting piece (the op runs eagerly between the compiled pieces) calls the function
 # directly, not through the dispatcher.
 register_eager_impl(ATTENTION_OP_NAME, unified_attention_with_output)
+# The op as callers and passes use it: torch.ops.vllm.unified_attention_with_output (its
+# `.default` overload is the node target in traced graphs).
+attention_op = getattr(getattr(torch.ops, _NAMESPACE), _OP)
 
 
 def collect_attention_layers(model: nn.Module) -> dict[str, Attention]:

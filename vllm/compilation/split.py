@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from vllm.config.compilation import ATTENTION_OP_NAME
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -99,7 +100,7 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]
     if unmatched:
         logger.warning("splitting_ops %s match no call in the traced graph (a misspelt op "
                        "name?); names are 'namespace::op' or 'namespace::op.overload', e.g. "
-                       "'vllm::unified_attention_with_output'", unmatched)
+                       "'%s'", unmatched, ATTENTION_OP_NAME)
     split_gm = torch.fx.passes.split_module.split_module(
         gm, None, lambda node: subgraph_of[node], keep_original_order=True)
     items = []

@@ -23,6 +23,11 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# The attention custom op (registered in vllm/attention/layer.py): the compiled graph is split
+# around it (the default `splitting_ops`), and the attention+quant fusion rewrites it. Every
+# other module takes the name from here.
+ATTENTION_OP_NAME = "vllm::unified_attention_with_output"
+
 
 class CompilationMode(enum.IntEnum):
     """How the model's forward is compiled."""
@@ -255,7 +260,7 @@ class CompilationConfig:
                 or not all(isinstance(op, str) and op for op in self.splitting_ops)):
             raise ValueError(
                 "compilation_config.splitting_ops must be a list of op names, e.g. "
-                f'["vllm::unified_attention_with_output"]; got {self.splitting_ops!r}')
+                f'["{ATTENTION_OP_NAME}"]; got {self.splitting_ops!r}')
         if not isinstance(self.inductor_compile_config, dict) or not all(
                 isinstance(key, str) for key in self.inductor_compile_config):
             raise ValueError(

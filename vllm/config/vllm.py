@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config.cache import CacheConfig
-from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+from vllm.config.compilation import (
+    ATTENTION_OP_NAME,
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+)
 from vllm.config.levels import (
     LEVEL_CONTROLLED_FIELDS,
     OPTIMIZATION_LEVEL_TO_CONFIG,
@@ -37,7 +42,7 @@ logger = init_logger(__name__)
 __all__ = ["VllmConfig", "OptimizationLevel", "Provenance", "OPTIMIZATION_LEVEL_TO_CONFIG"]
 
 # The attention custom op: the default split point for piecewise compilation.
-ATTENTION_OPS = ["vllm::unified_attention_with_output"]
+ATTENTION_OPS = [ATTENTION_OP_NAME]
 
 # Leaves outside the level table whose provenance is also reported.
 DERIVED_FIELDS = ("compilation_config.backend", "compilation_config.custom_ops",

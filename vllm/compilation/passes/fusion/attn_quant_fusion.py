@@ -41,9 +41,9 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _attention_op() -> Any:
-    import vllm.attention.layer  # noqa: F401  (defines the op)
+    from vllm.attention.layer import attention_op
 
-    return torch.ops.vllm.unified_attention_with_output.default
+    return attention_op.default
 
 
 def _functionalized_targets() -> tuple:
