@@ -361,9 +361,6 @@ class CompilationConfig:
                 f"got {self.custom_ops}")
         return bases[0] == "all"
 
-    def splitting_ops_or_default(self) -> list[str]:
-        return list(self.splitting_ops or [])
-
     def get_compile_ranges(self) -> list[Range]:
         """The token-count ranges each piece is compiled for with a dynamic batch dimension:
         [1, e0], [e0+1, e1], ..., [e_last+1, max_num_batched_tokens], split at

@@ -147,10 +147,6 @@ class BlockPool:
         block.block_hash = block.token_ids = None
         block.parent_content_id = block.content_id = None
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return sum(len(bucket) for bucket in self._cached.values())
-
     def reset_prefix_cache(self) -> bool:
         """Drop every cache entry; only possible when no block is in use."""
         if self.num_free_blocks != self.num_usable_blocks:

@@ -46,7 +46,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "additional_chat_templates/*")
 # *.bin files of training runs that are not model weights.
 _NOT_WEIGHTS = re.compile(r"^(training_args|optimizer|scheduler|scaler|rng_state.*)\.bin$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _REPO_PART = re.compile(r"^\w(?:[\w.-]{0,94}\w)?$")
 
 

@@ -552,5 +552,3 @@ def parse_request(model_cls: type[BaseModel], data: Any) -> Any:
     except PydanticValidationError as exc:
         raise from_validation_error(exc) from None
 
-
-FinishReason = Literal["stop", "length", "abort"]

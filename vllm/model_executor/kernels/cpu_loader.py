@@ -29,13 +29,6 @@ _NAME = "fp8"
 _allowed = True
 
 
-def set_cpu_kernels_allowed(allowed: bool) -> None:
-    """Whether a later `load_cpu_fp8_kernels()` may load the library (tests and benchmarks
-    of the plain-torch path call this before anything loads it; a loaded library stays)."""
-    global _allowed
-    _allowed = bool(allowed)
-
-
 @contextlib.contextmanager
 def cpu_kernels_held_back() -> Iterator[None]:
     """Within the block `load_cpu_fp8_kernels()` neither builds nor loads the library (one

@@ -375,10 +375,3 @@ def same_dtype_check(dtype: torch.dtype, names: Iterable[str]) -> Callable[[Any]
 
 def combinations(*options: Iterable[Any]) -> Iterable[tuple]:
     return itertools.product(*options)
-
-
-@functools.lru_cache(maxsize=None)
-def fp8_dtype() -> torch.dtype:
-    from vllm.model_executor.kernels.fp8_ops import FP8_DTYPE
-
-    return FP8_DTYPE
