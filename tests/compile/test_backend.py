@@ -244,11 +244,11 @@ class BoomPass(VllmInductorPass):
 
 
 def test_pass_failure_names_the_pass(monkeypatch):
-    from vllm.compilation.passes import pass_manager
+    from vllm.compilation.passes import registry
 
-    # Adding a pass is one registry line: (PassConfig flag, "module:Class").
-    monkeypatch.setattr(pass_manager, "PASS_REGISTRY",
-                        [*pass_manager.PASS_REGISTRY, ("eliminate_noops", f"{__name__}:BoomPass")])
+    # Adding a pass is one registry entry: (PassConfig flag, order, "module:Class").
+    monkeypatch.setattr(registry, "PASS_REGISTRY", [
+        *registry.PASS_REGISTRY, registry.PassEntry("eliminate_noops", 15, f"{__name__}:BoomPass")])
     model = build(make_config())
     with pytest.raises(CompilationStageError) as info, torch.no_grad():
         model(*inputs(3))

@@ -182,10 +182,11 @@ class PassConfig:
         return config_from_dict(cls, data, path)
 
     def enabled_passes(self) -> list[str]:
-        """Names of the switched-on passes, in the order the pass manager runs them."""
-        order = ["eliminate_noops", "fuse_allreduce_rms", "fuse_norm_quant", "fuse_act_quant",
-                 "fuse_attn_quant"]
-        return [name for name in order if getattr(self, name)]
+        """The flags of the switched-on passes, in the order the pass manager runs them (the
+        pass registry's, vllm/compilation/passes/registry.py)."""
+        from vllm.compilation.passes.registry import enabled_entries
+
+        return [entry.flag for entry in enabled_entries(self)]
 
     def compute_hash(self) -> str:
         return hash_fields(self, exclude=())

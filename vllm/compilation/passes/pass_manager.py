@@ -1,8 +1,9 @@
 """The ordered list of graph passes chosen from PassConfig.
 
-Adding a pass is one line in `PASS_REGISTRY`: (PassConfig flag, "module:Class"). The class is
-imported only when its flag is on and is built as `Class()` or `Class(vllm_config)`.
-`PostCleanupPass` and then `FixFunctionalizationPass` always run last, in that order.
+The passes and their order come from the registry (passes/registry.py: one `PassEntry` per
+pass, flag, order and class); the class is imported only when its flag is on and is built as
+`Class()` or `Class(vllm_config)`. `PostCleanupPass` and then `FixFunctionalizationPass`
+always run last, in that order.
 
 The manager is installed as Inductor's `post_grad_custom_post_pass` through `as_inductor_pass()`
 (so its `uuid()` is part of Inductor's cache key) and is called directly by the "eager" backend
@@ -26,6 +27,7 @@ from vllm.compilation.passes.inductor_pass import (
     get_pass_context,
     source_hash,
 )
+from vllm.compilation.passes.registry import enabled_entries, has_pass
 from vllm.compilation.passes.utility.fix_functionalization import FixFunctionalizationPass
 from vllm.compilation.passes.utility.post_cleanup import PostCleanupPass
 from vllm.logger import init_logger
@@ -35,25 +37,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Order matters (upstream's): no-op elimination first (it exposes patterns), then the
-# all-reduce fusion's place, RMSNorm+quant, SiluMul+quant, attention+quant.
-PASS_REGISTRY: list[tuple[str, str]] = [
-    ("eliminate_noops", "vllm.compilation.passes.utility.noop_elimination:NoOpEliminationPass"),
-    ("fuse_norm_quant", "vllm.compilation.passes.fusion.rms_quant_fusion:RMSNormQuantFusionPass"),
-    ("fuse_act_quant", "vllm.compilation.passes.fusion.act_quant_fusion:ActivationQuantFusionPass"),
-    ("fuse_attn_quant", "vllm.compilation.passes.fusion.attn_quant_fusion:AttnQuantFusionPass"),
-]
-FUSION_FLAGS = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms",
-                # upstream's flags this engine has no pass for (a warning if set on):
-                "enable_qk_norm_rope_fusion", "enable_sp", "fuse_gemm_comms", "fuse_act_padding",
-                "fuse_mla_dual_rms_norm", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache",
-                "fuse_rope_kvcache_cat_mla")
-
-
-def has_pass(flag: str) -> bool:
-    """Whether a pass is registered for PassConfig `flag` (fuse_allreduce_rms has none yet:
-    the flag is accepted, as upstream's, and fuses nothing)."""
-    return any(registered == flag for registered, _ in PASS_REGISTRY)
+__all__ = ["PostGradPassManager", "NotAPassError", "has_pass"]
 
 
 def _build(path: str, vllm_config: VllmConfig | None) -> VllmInductorPass:
@@ -89,16 +73,16 @@ class PostGradPassManager:
         pass_config = vllm_config.compilation_config.pass_config
         self.pass_config_hash = pass_config.compute_hash()
         self.fp8_model = bool(getattr(vllm_config.model_config, "is_fp8", False))
-        wanted = [flag for flag in FUSION_FLAGS if getattr(pass_config, flag, False)]
-        fusions = [flag.removeprefix("fuse_") for flag in wanted if has_pass(flag)]
+        wanted = enabled_entries(pass_config)
+        fusions = [e.flag.removeprefix("fuse_") for e in wanted
+                   if e.fusion and e.pass_class is not None]
         logger.info("Enabled fusions: %s", ", ".join(fusions) or "none")
-        for flag in wanted:
-            if not has_pass(flag):
+        for entry in wanted:
+            if entry.pass_class is None:
                 logger.warning("pass_config.%s is on, but this engine has no pass for it yet: "
-                               "nothing is fused", flag)
-        for flag, path in PASS_REGISTRY:
-            if getattr(pass_config, flag, False):
-                self.add(_build(path, vllm_config))
+                               "nothing is fused", entry.flag)
+            else:
+                self.add(_build(entry.pass_class, vllm_config))
         return self
 
     def log_match_counts(self) -> None:
