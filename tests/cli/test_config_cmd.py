@@ -64,7 +64,8 @@ def test_four_levels_four_tables(capsys, tiny):
                    f"level O{level}")
     assert_row(tables[2], "compilation_config.cudagraph_mode", "NONE", "platform cpu")
     assert_row(tables[2], "compilation_config.freezing", "False", "level O2")
-    assert_row(tables[2], "compilation_config.prepack_linear_weights", "True", "level O2")
+    assert_row(tables[2], "compilation_config.prepack_linear_weights", "True", "platform cpu")
+    assert_row(tables[1], "compilation_config.prepack_linear_weights", "False", "level O1")
     assert_row(tables[3], "compilation_config.max_autotune", "False", "platform cpu")
     assert_row(tables[1], "compilation_config.max_autotune", "False", "level O1")
 
@@ -77,6 +78,7 @@ def test_default_level(capsys, tiny):
 
 def test_cuda_platform_gets_full_and_piecewise(capsys, tiny, monkeypatch):
     monkeypatch.setenv("VLLM_PLATFORM", "cuda")
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TRITON_ATTN")  # decode in full graphs
     reset_current_platform()
     try:
         out = run_config(capsys, "--model", tiny, "-O2")
@@ -86,6 +88,23 @@ def test_cuda_platform_gets_full_and_piecewise(capsys, tiny, monkeypatch):
         assert_row(out, "compilation_config.cudagraph_mode", "PIECEWISE", "level O1")
     finally:
         reset_current_platform()
+
+
+def test_cuda_table_shows_the_mode_the_attention_backend_runs(capsys, tiny, monkeypatch):
+    """TORCH_SDPA runs no batch inside a full CUDA graph: the table shows the piecewise mode
+    that will run, and why (the model runner no longer narrows it after resolution)."""
+    monkeypatch.setenv("VLLM_PLATFORM", "cuda")
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TORCH_SDPA")
+    reset_current_platform()
+    try:
+        out = run_config(capsys, "--model", tiny, "-O2")
+    finally:
+        reset_current_platform()
+    assert_row(out, "compilation_config.cudagraph_mode", "PIECEWISE",
+               "derived: downgrade from FULL_AND_PIECEWISE")
+    assert "TORCH_SDPA attention backend cannot run inside a full CUDA graph" in row(
+        out, "compilation_config.cudagraph_mode")
+    assert "CUDA graphs PIECEWISE" in out.splitlines()[0]
 
 
 def test_explicit_cli_values_show_user(capsys, tiny):

@@ -7,10 +7,17 @@ import pytest
 
 from tests.config import model_configs
 from vllm.config import CompilationMode, CUDAGraphMode, SchedulerConfig, VllmConfig
-from vllm.config.vllm import ATTENTION_OPS
+from vllm.config.vllm import ATTENTION_OPS, ConfigSource
 
 cuda = pytest.mark.parametrize("platform", ["cuda"], indirect=True)
 cpu = pytest.mark.parametrize("platform", ["cpu"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def _triton_attn(monkeypatch):
+    """CUDA's default backend where Triton is installed (uniform decode batches inside full
+    CUDA graphs); a test that needs another sets VLLM_ATTENTION_BACKEND itself."""
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TRITON_ATTN")
 
 
 def test_mode_helpers():
@@ -41,19 +48,27 @@ def test_piecewise_needs_vllm_compile(level, stock, expected, platform, caplog):
                             compilation_config={"mode": stock})
     assert config.compilation_config.cudagraph_mode == expected
     prov = config.provenance["compilation_config.cudagraph_mode"]
-    assert prov.source.startswith("derived: downgrade") and "VLLM_COMPILE" in prov.reason
+    assert prov.source is ConfigSource.DERIVED and prov.name.startswith("downgrade from ")
+    assert "VLLM_COMPILE" in prov.reason
     assert "CUDA graph mode" in caplog.text
 
 
 @cuda
-@pytest.mark.parametrize("level,expected", [(1, CUDAGraphMode.NONE), (2, CUDAGraphMode.FULL)])
+@pytest.mark.parametrize("level,expected", [(1, CUDAGraphMode.NONE),
+                                            (2, CUDAGraphMode.FULL_DECODE_ONLY)])
 def test_empty_splitting_ops_downgrade(level, expected, platform):
+    """No pieces: O2's FULL_AND_PIECEWISE keeps its full part (FULL), which TRITON_ATTN runs
+    for uniform decode batches only (FULL_DECODE_ONLY); both steps are in the reason."""
     config = VllmConfig(model_config=model_configs.dense(), optimization_level=level,
                         compilation_config={"splitting_ops": [],
                                             "use_inductor_graph_partition": False})
     assert config.compilation_config.cudagraph_mode == expected
-    assert "splitting_ops is empty" in config.provenance[
-        "compilation_config.cudagraph_mode"].reason
+    prov = config.provenance["compilation_config.cudagraph_mode"]
+    assert "splitting_ops is empty" in prov.reason
+    assert prov.label == f"derived: downgrade from {['PIECEWISE', 'FULL_AND_PIECEWISE'][level - 1]}"
+    if level == 2:
+        assert "; then FULL -> FULL_DECODE_ONLY: the TRITON_ATTN attention backend runs only " \
+            "uniform single token decode batches" in prov.reason
 
 
 @cuda
@@ -89,7 +104,8 @@ def test_attn_fusion_needs_attention_inside_the_graph(platform):
                         compilation_config=fused)
     cc = config.compilation_config
     assert cc.pass_config.fuse_attn_quant is True
-    assert cc.splitting_ops == [] and cc.cudagraph_mode == CUDAGraphMode.FULL
+    # FULL (no pieces), which TRITON_ATTN runs for uniform decode batches only
+    assert cc.splitting_ops == [] and cc.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
     with pytest.raises(ValueError, match="fuse_attn_quant"):
         VllmConfig(model_config=model_configs.fp8(), optimization_level=2,
                    compilation_config={**fused,
@@ -111,10 +127,18 @@ def test_level_attn_fusion_gives_way_to_piecewise_graphs(level, backend, why, pl
     cc = config.compilation_config
     assert cc.pass_config.fuse_attn_quant is False
     prov = config.provenance["compilation_config.pass_config.fuse_attn_quant"]
-    assert prov.source == "platform cuda" and f"the {backend} attention backend {why}" \
-        in prov.reason
+    assert prov.label == "platform cuda"
+    assert "the attention backend runs every batch inside full CUDA graphs" in prov.reason
+    assert ": no; " in prov.reason
     assert cc.splitting_ops == ATTENTION_OPS
-    assert cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    # The pieces are kept; what runs in full graphs is what the backend can run there.
+    graphs = config.provenance["compilation_config.cudagraph_mode"]
+    if backend == "TORCH_SDPA":
+        assert cc.cudagraph_mode == CUDAGraphMode.PIECEWISE
+        assert f"the {backend} attention backend {why}" in graphs.reason
+    else:
+        assert cc.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+        assert graphs.label == f"level O{level}"
     # The other FP8 fusions stay on.
     assert cc.pass_config.fuse_norm_quant and cc.pass_config.fuse_act_quant
     # Without CUDA graphs nothing is lost: the level's fusion stays.

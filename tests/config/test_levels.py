@@ -8,7 +8,7 @@ import pytest
 from tests.config import model_configs
 from vllm.config import CompilationMode, CUDAGraphMode, OptimizationLevel, VllmConfig
 from vllm.config.capture_sizes import default_capture_sizes
-from vllm.config.vllm import ATTENTION_OPS
+from vllm.config.vllm import ATTENTION_OPS, ConfigSource
 
 LEVELS = [0, 1, 2, 3]
 CPU_NARROWED_AT_O3 = ("compilation_config.max_autotune",
@@ -19,10 +19,13 @@ PLATFORMS = ["cpu", "cuda"]
 
 
 def expected(level: int, model: str, platform: str) -> dict:
+    """(With the TORCH_SDPA attention backend, which runs no batch inside a full CUDA graph.)"""
     fp8 = model == "fp8"  # the fp8 helper uses static activation scales
     cuda = platform == "cuda"
+    # The levels' FULL_AND_PIECEWISE keeps only its pieces: TORCH_SDPA cannot run inside a
+    # full graph (TRITON_ATTN keeps it: test_cudagraph_rules.py).
     graphs = {0: CUDAGraphMode.NONE, 1: CUDAGraphMode.PIECEWISE,
-              2: CUDAGraphMode.FULL_AND_PIECEWISE, 3: CUDAGraphMode.FULL_AND_PIECEWISE}[level]
+              2: CUDAGraphMode.PIECEWISE, 3: CUDAGraphMode.PIECEWISE}[level]
     # CUDA turns the levels' attention fusion off: with TORCH_SDPA it would cost every CUDA
     # graph (attention inside one compiled graph, which only full graphs could capture).
     attn_fusion = fp8 and level >= 2 and not cuda
@@ -62,27 +65,37 @@ def expected(level: int, model: str, platform: str) -> dict:
 @pytest.mark.parametrize("platform", PLATFORMS, indirect=True)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("level", LEVELS)
-def test_level_table(level, model, platform):
+def test_level_table(level, model, platform, monkeypatch):
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TORCH_SDPA")
     config = VllmConfig(model_config=model_configs.MODELS[model](), optimization_level=level)
     assert config.optimization_level == OptimizationLevel(level)
     for path, value in expected(level, model, platform.device_name).items():
         assert config.get_path(path) == value, path
-    # Provenance: the level filled every leaf of its table, except what the CPU narrows.
+    # Provenance: the level filled every leaf of its table, except what the platform's own
+    # table sets (each with its reason) and the derived CUDA-graph rule.
     split_source = config.provenance["compilation_config.splitting_ops"]
     if platform.is_cpu() and level == 3:
-        assert split_source.source == "platform cpu"
+        assert split_source.label == "platform cpu"
         assert "whole-graph" in split_source.reason and " x1." in split_source.reason
     else:
-        assert split_source.source.startswith("derived")
+        assert split_source.source is ConfigSource.DERIVED
     for path in expected(level, model, platform.device_name):
         if path in ("compilation_config.splitting_ops", "compilation_config.custom_ops"):
             continue
-        source = config.provenance[path].source
-        if path == "compilation_config.cudagraph_mode" and platform.is_cpu() and level >= 1:
-            assert source == "platform cpu"
-        elif (path == "compilation_config.pass_config.fuse_attn_quant" and platform.is_cuda()
-              and model == "fp8" and level >= 2):
+        source = config.provenance[path].label
+        name = path.rsplit(".", 1)[-1]
+        if platform.is_cpu() and (
+                name in ("cudagraph_mode", "fuse_allreduce_rms")
+                or (name in ("fuse_norm_quant", "fuse_act_quant") and level >= 1)
+                or (name in ("fuse_attn_quant", "prepack_linear_weights", "cpp_wrapper")
+                    and level >= 2)):
+            assert source == "platform cpu", path
+            assert config.provenance[path].reason, path
+        elif name == "fuse_attn_quant" and platform.is_cuda() and level >= 2:
             assert source == "platform cuda", path
+        elif name == "cudagraph_mode" and platform.is_cuda() and level >= 2:
+            assert source == "derived: downgrade from FULL_AND_PIECEWISE", path
+            assert "TORCH_SDPA attention backend" in config.provenance[path].reason
         elif path in CPU_NARROWED_AT_O3 and platform.is_cpu() and level == 3:
             assert source == "platform cpu", path
             reason = config.provenance[path].reason
@@ -104,8 +117,11 @@ def test_cuda_capture_sizes(level, platform):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS, indirect=True)
-def test_level_not_in_hash(platform):
-    """The level itself is not part of the hash; only what it resolves to."""
+def test_level_not_in_hash(platform, monkeypatch):
+    """The level itself is not part of the hash; only what it resolves to. (On CUDA with
+    TRITON_ATTN, whose decode batches run inside full graphs: with TORCH_SDPA, O2 keeps only
+    O1's piecewise graphs for this dense model, so the two resolve alike.)"""
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TRITON_ATTN")
     model = model_configs.dense()
     by_level = {lvl: VllmConfig(model_config=model, optimization_level=lvl).compute_hash()
                 for lvl in LEVELS}
@@ -132,7 +148,7 @@ def test_level_enum_is_exported_at_the_top():
 def test_default_level_is_o2():
     config = VllmConfig()
     assert config.optimization_level == OptimizationLevel.O2
-    assert config.provenance["optimization_level"].source == "default"
+    assert config.provenance["optimization_level"].label == "default"
 
 
 @pytest.mark.parametrize("spelling", [2, "2", "O2", "o2", OptimizationLevel.O2])
@@ -155,9 +171,9 @@ def test_summary_line_names_level_mode_graphs_passes(cpu_platform):
 def test_explain_has_a_row_per_level_field_with_reason():
     config = VllmConfig(model_config=model_configs.moe(), optimization_level=1)
     rows = {path: prov for path, _, prov in config.explain()}
-    assert rows["compilation_config.pass_config.fuse_norm_quant"].reason == (
+    assert rows["compilation_config.pass_config.fuse_norm_quant"].reason.startswith(
         "model is FP8-quantized: no")
-    assert rows["model_config.dtype"].source == f"platform {config.platform.device_name}"
+    assert rows["model_config.dtype"].label == f"platform {config.platform.device_name}"
     text = config.explain_text()
     assert "level O1" in text and "source" in text.splitlines()[0]
 
@@ -167,7 +183,8 @@ def test_cpu_fusion_defaults_carry_their_measurements(platform):
     config = VllmConfig(model_config=model_configs.fp8(), optimization_level=2)
     for name in ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant"):
         prov = config.provenance[f"compilation_config.pass_config.{name}"]
-        assert prov.source == "level O2" and "CPU:" in prov.reason and "x" in prov.reason
+        assert prov.label == "platform cpu" and "CPU:" in prov.reason and "x" in prov.reason
+        assert prov.reason.startswith("model is FP8")
     explicit = VllmConfig(model_config=model_configs.fp8(), optimization_level=2,
                           compilation_config={"pass_config": {"fuse_norm_quant": True}})
     assert explicit.provenance["compilation_config.pass_config.fuse_norm_quant"].reason == (

@@ -55,7 +55,7 @@ def test_auto_dtype_on_cpu(llama_dir, platform, monkeypatch):
     assert "no native bf16" in reason and "--dtype bfloat16" in reason
     explicit = VllmConfig(model_config=ModelConfig(model=str(llama_dir), dtype="bfloat16"))
     assert explicit.model_config.torch_dtype == torch.bfloat16
-    assert explicit.provenance["model_config.dtype"].source == "user"
+    assert explicit.provenance["model_config.dtype"].label == "user"
     monkeypatch.setattr(cpu_mod, "cpu_has_native_bf16", lambda: True)
     native = VllmConfig(model_config=ModelConfig(model=str(llama_dir)))
     assert native.model_config.torch_dtype == torch.bfloat16

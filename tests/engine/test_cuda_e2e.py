@@ -124,7 +124,7 @@ def test_compiled_level_replays_cuda_graphs_and_matches_o0(llama, level):
     if level >= 2 and runner.attn_backend.get_name() == "TRITON_ATTN":
         # Its decode kernel runs inside full graphs: the decode steps replay whole-model
         # graphs (FULL_AND_PIECEWISE kept, not narrowed to PIECEWISE).
-        assert runner._runtime_cudagraph_mode() == CUDAGraphMode.FULL_AND_PIECEWISE
+        assert runner._resolved_cudagraph_mode() == CUDAGraphMode.FULL_AND_PIECEWISE
         assert isinstance(runner.model, CUDAGraphWrapper)
         assert runner.model.runtime_mode == CUDAGraphMode.FULL
         assert sum(entry.replays for entry in runner.model.entries.values()) > 0

@@ -408,17 +408,25 @@ def test_padded_batches_match(llama_path, hf_greedy):
     assert runner.dummy_run(20).shape[0] == 20
     assert llm.llm_engine.stats()["num_free_blocks"] == llm.llm_engine.stats()["num_total_blocks"]
     # The SDPA backend runs no full graphs: FULL parts fall back to piecewise (when the model
-    # is compiled piecewise) or to none.
-    from vllm.config.compilation import CompilationMode
+    # is compiled piecewise) or to none. Config resolution decides that (the rule the runner
+    # checks its backend with); a resolved mode the backend cannot run is an error.
+    from vllm.config.vllm import cudagraph_mode_for_backend
 
+    support = runner.attn_backend.cudagraph_support
+    assert cudagraph_mode_for_backend(CUDAGraphMode.FULL_AND_PIECEWISE, support,
+                                      False) == CUDAGraphMode.NONE
+    assert cudagraph_mode_for_backend(CUDAGraphMode.FULL_AND_PIECEWISE, support,
+                                      True) == CUDAGraphMode.PIECEWISE
+    assert cudagraph_mode_for_backend(CUDAGraphMode.FULL_DECODE_ONLY, support,
+                                      True) == CUDAGraphMode.NONE
     cc = runner.vllm_config.compilation_config
+    assert runner._resolved_cudagraph_mode() == cc.cudagraph_mode
     cc.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    assert runner._runtime_cudagraph_mode() == CUDAGraphMode.NONE
-    cc.mode = CompilationMode.VLLM_COMPILE
-    cc.splitting_ops = ["vllm::unified_attention_with_output"]
-    assert runner._runtime_cudagraph_mode() == CUDAGraphMode.PIECEWISE
-    cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-    assert runner._runtime_cudagraph_mode() == CUDAGraphMode.NONE
+    try:
+        with pytest.raises(RuntimeError, match="resolved for another backend"):
+            runner._resolved_cudagraph_mode()
+    finally:
+        cc.cudagraph_mode = CUDAGraphMode.NONE
 
 
 def test_generation_config_sources_and_overrides(llama_path, tmp_path):

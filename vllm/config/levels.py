@@ -1,17 +1,26 @@
-"""The optimization-level presets: one static table of defaults per level (data).
+"""What each optimization level means: the base table, and the shape of a platform's own table.
 
-`OPTIMIZATION_LEVEL_TO_CONFIG[level]` is nested the way the configs are: the key
-`"compilation_config"` holds the `CompilationConfig` fields a level sets and, under
-`"pass_config"`, the `PassConfig` flags. A value is a constant or a named predicate: a
-function of the whole `VllmConfig`, whose docstring's first line says what it asks (that line
-is the reason `vllm config` shows). `VllmConfig.__post_init__` applies the table to unset
-(`None`) leaves only, so a level never overrides an explicit value.
+`OPTIMIZATION_LEVEL_TO_CONFIG[level]` is the base table (upstream's), nested the way the
+configs are: the key `"compilation_config"` holds the `CompilationConfig` fields a level sets
+and, under `"pass_config"`, the `PassConfig` flags. A value is a constant or a named
+predicate: a function of the whole `VllmConfig`, whose docstring's first line says what it
+asks (that line is the reason `vllm config` shows).
+
+A platform differs from the base table only through its own table (`Platform.level_table`),
+of the same nested shape, whose leaves are `Setting(value, reason)`: the value (a constant or
+a predicate) and why this platform wants it, with the measurement where one decided it.
+
+`VllmConfig.__post_init__` applies the base table, then the platform's table, with the same
+code, to every leaf the user (or the environment) did not set; then its derived rules. So a
+level never overrides an explicit value; a `Setting(..., required=True)` (what the platform
+cannot do otherwise, e.g. CUDA graphs on the CPU) turns a different explicit value into an
+error instead.
 """
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
@@ -27,11 +36,12 @@ class OptimizationLevel(enum.IntEnum):
     O1 = 1
     """Our compile backend (Inductor per piece) and piecewise CUDA graphs: compile fast."""
     O2 = 2
-    """O1 + full and piecewise CUDA graphs, no-op elimination and fusion passes; CPU: linear
-    weights prepacked for oneDNN, C++ host code (Inductor's C++ wrapper). The default."""
+    """O1 + full and piecewise CUDA graphs, no-op elimination and fusion passes; CPU (its own
+    level table): linear weights prepacked for oneDNN, C++ host code (Inductor's C++
+    wrapper). The default."""
     O3 = 3
     """O2 + Inductor autotuning and per-size compiles for common decode sizes: tune for speed.
-    CPU: those measured no faster there, so its platform turns them off and compiles the
+    CPU: those measured no faster there, so its level table turns them off and compiles the
     whole model as one graph instead (vllm/platforms/cpu.py)."""
 
     @classmethod
@@ -84,34 +94,40 @@ def enable_allreduce_rms_fusion(cfg: VllmConfig) -> bool:
             and cfg.platform.supports_allreduce_rms_fusion(cfg))
 
 
-# CPU, measured on the demo model (float32, 2 cores, decode-shaped forwards of the compiled
-# model, paired rounds; benchmarks/bench_level_switches.py, results/cpu_levels.md): linear
-# weights reordered for oneDNN once and used through an opaque op (the weights stay graph
-# inputs, so the compiled code is cached) run batch-16 decode x1.15-1.20 faster than O1's
-# plain weights and batch-1 decode alike (x1.00: 1-4 rows take the small-M kernel anyway).
-# The LM head is prepacked too: on the Qwen2.5-0.5B shape its 16-row product takes 14 ms
-# instead of 25 ms, batch-16 decode against -O0 x1.26 -> x1.33 (benchmarks/bench_levels.py).
-def prepack_on_cpu(cfg: VllmConfig) -> bool:
-    """platform is the CPU (prepacked oneDNN linears: decode x1.15-1.20 at batch 16, x1.00 at batch 1 vs O1; cacheable)
+class Setting(NamedTuple):
+    """One leaf of a platform's level table."""
 
-    Prepacking reorders float32 linear weights for oneDNN's GEMM once after loading; other
-    platforms have no such kernel."""  # noqa: E501
-    return cfg.platform.is_cpu()
+    value: Any
+    """A constant, or a predicate of the `VllmConfig` (as in the base table)."""
+    reason: str
+    """Why this platform sets it: what was measured, or what the platform cannot do."""
+    required: bool = False
+    """The platform cannot run anything else: an explicit user value that differs is an
+    error naming this reason (else an explicit value simply wins, as over the base table)."""
 
 
-# CPU, measured with benchmarks/bench_level_switches.py (paired rounds of decode-shaped
-# forwards, results/cpu_levels.md): Inductor's C++ wrapper (the compiled code's host side in
-# C++, so the ~100 op calls of a step leave the Python interpreter) runs decode x1.07 / x1.06
-# faster at batch 1 / 16 on the demo model at O2 and x1.03 / x1.00 on the memory-bound
-# Qwen2.5-0.5B shape, with no longer a cold start there (the pieces of identical layers share
-# one build); over O3's whole graph x1.15 / x1.07 (demo), x1.00 / x1.01 (0.5B shape, whose
-# whole-graph build it lengthens 19 -> 40 s). Warm starts load the built wrappers without
-# Inductor.
-def cpp_wrapper_on_cpu(cfg: VllmConfig) -> bool:
-    """platform is the CPU (C++ host code: decode x1.07 / x1.06 at batch 1 / 16 on the demo model, x1.03 / x1.00 on the 0.5B shape, no longer cold start)
+def every_level(row: Mapping[str, Any]) -> dict[OptimizationLevel, dict[str, Any]]:
+    """The same row of a platform's table at every level."""
+    return {level: dict(row) for level in OptimizationLevel}
 
-    On CUDA the host code is replayed as CUDA graphs instead."""  # noqa: E501
-    return cfg.platform.is_cpu()
+
+def merge_rows(*tables: Mapping[OptimizationLevel, Mapping[str, Any]]
+               ) -> dict[OptimizationLevel, dict[str, Any]]:
+    """Level tables merged leaf by leaf (later tables win), for building a platform's table
+    from a row for every level and rows for some."""
+    out: dict[OptimizationLevel, dict[str, Any]] = {}
+
+    def merge(into: dict[str, Any], row: Mapping[str, Any]) -> None:
+        for key, value in row.items():
+            if isinstance(value, Mapping):
+                merge(into.setdefault(key, {}), value)
+            else:
+                into[key] = value
+
+    for table in tables:
+        for level, row in table.items():
+            merge(out.setdefault(OptimizationLevel(level), {}), row)
+    return out
 
 
 def describe(predicate: Callable[..., Any]) -> str:
@@ -171,9 +187,9 @@ OPTIMIZATION_LEVEL_02: dict[str, Any] = {
         # against O1, and prepacking x1.18 / x0.89 against freezing; unlike freezing,
         # prepacking leaves the weights out of the compiled code, so a warm start loads the
         # code instead of compiling it again. -cc.freezing=true still opts in.
+        # (prepack_linear_weights and cpp_wrapper stay off here: the CPU's own level table
+        # turns them on, vllm/platforms/cpu.py.)
         "freezing": False,
-        "prepack_linear_weights": prepack_on_cpu,
-        "cpp_wrapper": cpp_wrapper_on_cpu,
         "pass_config": {
             **OPTIMIZATION_LEVEL_01["compilation_config"]["pass_config"],
             "fuse_attn_quant": enable_attn_fusion,
@@ -183,8 +199,8 @@ OPTIMIZATION_LEVEL_02: dict[str, Any] = {
 }
 # CUDA -O3: not measured against -O2 yet. On a lent H200 (torch 2.11) the cold -O3 start of
 # a 2-layer test model took over 170 s (max-autotune of every GEMM per compile size, on a
-# machine loaded by a parallel test run); -O1/-O2 there matched -O0 token for token. The CPU
-# narrows these switches off where they measured no faster (vllm/platforms/cpu.py).
+# machine loaded by a parallel test run); -O1/-O2 there matched -O0 token for token. The CPU's
+# level table turns these switches off, as they measured no faster there (vllm/platforms/cpu.py).
 OPTIMIZATION_LEVEL_03: dict[str, Any] = {
     "compilation_config": {
         **OPTIMIZATION_LEVEL_02["compilation_config"],

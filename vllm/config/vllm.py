@@ -1,15 +1,19 @@
 """VllmConfig: the root config, and the resolution of optimization levels into settings.
 
 `__post_init__` resolves in the order DESIGN.md §3 gives:
-  1. the user's explicit values (every non-None leaf) are recorded as `user` and never changed;
-  2. the level preset fills the leaves still unset (`None`);
-  3. the platform hook fills or narrows platform-owned leaves (an explicit user value it cannot
-     honour is an error);
-  4. derived values and the CUDA-graph downgrade rules; then default capture sizes.
-Every level-controlled leaf records where its value came from and why (`explain()`).
+  1. the user's explicit values (every non-None leaf) are recorded as USER and never changed
+     (environment overrides as ENV);
+  2. the base level table (`OPTIMIZATION_LEVEL_TO_CONFIG`) fills the other leaves;
+  3. the platform's own level table (`Platform.level_table`), applied by the same code,
+     replaces what it names (an explicit value it cannot run is an error);
+  4. derived values and the CUDA-graph rules (including what the attention backend can run
+     inside a CUDA graph); then default capture sizes.
+Nothing changes the config after that: the engine runs what `vllm config` shows. Every
+reported leaf records where its value came from and why (`explain()`).
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
 import warnings
@@ -27,6 +31,7 @@ from vllm.config.levels import (
     LEVEL_CONTROLLED_FIELDS,
     OPTIMIZATION_LEVEL_TO_CONFIG,
     OptimizationLevel,
+    Setting,
     describe,
     iter_level_defaults,
 )
@@ -39,7 +44,8 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-__all__ = ["VllmConfig", "OptimizationLevel", "Provenance", "OPTIMIZATION_LEVEL_TO_CONFIG"]
+__all__ = ["VllmConfig", "OptimizationLevel", "ConfigSource", "Provenance",
+           "OPTIMIZATION_LEVEL_TO_CONFIG"]
 
 # The attention custom op: the default split point for piecewise compilation.
 ATTENTION_OPS = [ATTENTION_OP_NAME]
@@ -52,13 +58,47 @@ DERIVED_FIELDS = ("compilation_config.backend", "compilation_config.custom_ops",
                   "model_config.dtype")
 
 
+class ConfigSource(enum.Enum):
+    """Where a resolved value came from, in the order resolution applies them."""
+
+    DEFAULT = "default"
+    """the field's own default (nothing set it)"""
+    USER = "user"
+    """set explicitly (Python, CLI, -cc JSON, --config file)"""
+    ENV = "env"
+    """an environment variable (`Provenance.name`) overrides it"""
+    LEVEL = "level"
+    """the base level table (`Provenance.name`: "O2")"""
+    PLATFORM = "platform"
+    """the platform's level table or one of its defaults (`Provenance.name`: "cpu")"""
+    DERIVED = "derived"
+    """a rule over the other values (`Provenance.name`: the rule)"""
+
+
 @dataclass(frozen=True)
 class Provenance:
-    """Where a resolved value came from: `user`, `level O2`, `platform cpu`, `derived: <rule>`,
-    `env <NAME>` or `default`, with a one-line reason."""
+    """Where a resolved value came from (`source`, and which level, platform, environment
+    variable or rule: `name`), with a one-line reason."""
 
-    source: str
+    source: ConfigSource
+    name: str = ""
     reason: str = ""
+
+    @property
+    def label(self) -> str:
+        """As `vllm config` prints it: `user`, `level O2`, `platform cpu`, `env NAME`,
+        `derived: <rule>` or `default`."""
+        if self.source is ConfigSource.DERIVED:
+            return f"derived: {self.name}"
+        return f"{self.source.value} {self.name}" if self.name else self.source.value
+
+    @property
+    def explicit(self) -> bool:
+        """Set by the user or the environment: tables never replace it."""
+        return self.source in (ConfigSource.USER, ConfigSource.ENV)
+
+
+_USER = Provenance(ConfigSource.USER, reason="set explicitly")
 
 
 @dataclass
@@ -72,6 +112,7 @@ class VllmConfig:
     optimization_level: OptimizationLevel | int | str | None = None
     """O0..O3 (also 0..3, "2", "O2"); None = O2, the default."""
     provenance: dict[str, Provenance] = field(default_factory=dict, init=False, repr=False)
+    _downgraded_from: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     # ---- resolution ---------------------------------------------------------------------
     @raises_validation_error
@@ -87,15 +128,17 @@ class VllmConfig:
         self._resolve_level()
         self._record_user_values()
         self._apply_env_overrides()
-        self._apply_level_preset()
-        self.platform.apply_level_defaults(self)
+        level = self.optimization_level
+        self._apply_level_table(OPTIMIZATION_LEVEL_TO_CONFIG[level],
+                                ConfigSource.LEVEL, f"O{int(level)}")
+        self._apply_level_table(self.platform.level_table.get(level, {}),
+                                ConfigSource.PLATFORM, self.platform.device_name)
         self._resolve_model_dtype()
         self._apply_derived_rules()
         self._resolve_cudagraph_mode()
         self._set_cudagraph_sizes()
         self._set_compile_sizes()
         self._set_compile_ranges()
-        self.platform.check_and_update_config(self)
         self._set_debug_dump_path()
 
     def _resolve_level(self) -> None:
@@ -112,11 +155,11 @@ class VllmConfig:
             _warn_enforce_eager_once()
             level = OptimizationLevel.O0
         self.optimization_level = level
-        self.provenance["optimization_level"] = Provenance(
-            "user" if explicit_level else ("derived: enforce_eager" if enforce_eager
-                                           else "default"),
-            "--enforce-eager is the deprecated spelling of -O0" if enforce_eager
-            else "" if explicit_level else "O2 is the default level")
+        self.provenance["optimization_level"] = (
+            Provenance(ConfigSource.USER) if explicit_level
+            else Provenance(ConfigSource.DERIVED, "enforce_eager",
+                            "--enforce-eager is the deprecated spelling of -O0") if enforce_eager
+            else Provenance(ConfigSource.DEFAULT, reason="O2 is the default level"))
 
     def _record_user_values(self) -> None:
         for path in (*LEVEL_CONTROLLED_FIELDS, *DERIVED_FIELDS):
@@ -128,7 +171,7 @@ class VllmConfig:
             if path == "model_config.dtype" and value in (None, "auto"):
                 continue
             if value is not None:
-                self.provenance[path] = Provenance("user", "set explicitly")
+                self.provenance[path] = _USER
 
     def _apply_env_overrides(self) -> None:
         from vllm import envs
@@ -142,21 +185,37 @@ class VllmConfig:
                 logger.warning("TORCH_COMPILE_DISABLE=1: torch.compile cannot run, so the "
                                "compilation mode %s becomes NONE", _show(cc.mode))
             self._set("compilation_config.mode", CompilationMode.NONE,
-                      Provenance("env TORCH_COMPILE_DISABLE", "torch.compile disabled by env"))
+                      Provenance(ConfigSource.ENV, "TORCH_COMPILE_DISABLE",
+                                 "torch.compile disabled by env"))
 
-    def _apply_level_preset(self) -> None:
-        """Fill every leaf of the level's table that is still unset (`None`); a predicate is
-        called with this config and its answer recorded with what it asked."""
-        level = self.optimization_level
-        for path, preset in iter_level_defaults(OPTIMIZATION_LEVEL_TO_CONFIG[level]):
-            if self.get_path(path) is not None:
+    def _apply_level_table(self, table: dict[str, Any], source: ConfigSource,
+                           name: str) -> None:
+        """Apply one level table (the base table, then the platform's): every leaf the user or
+        the environment did not set takes the table's value. A leaf is a constant, a predicate
+        (called with this config; its answer is recorded with what it asked) or a
+        `Setting(value, reason)` whose reason is recorded too. A required `Setting` that an
+        explicit value contradicts is an error naming its reason."""
+        for path, leaf in iter_level_defaults(table):
+            setting = leaf if isinstance(leaf, Setting) else Setting(leaf, "")
+            prov = self.provenance.get(path)
+            if prov is not None and prov.explicit:
+                current = self.get_path(path)
+                if setting.required and current != setting.value:
+                    field_name = path.split(".")[-1]
+                    raise ValueError(
+                        f"{field_name}={_show(current)} cannot be honoured on the {name} "
+                        f"platform: {setting.reason}. Leave {field_name} unset or set it to "
+                        f"{_show(setting.value)} there.")
                 continue
-            if callable(preset):
-                value = bool(preset(self))
-                reason = f"{describe(preset)}: {'yes' if value else 'no'}"
-            else:
-                value, reason = (list(preset) if isinstance(preset, list) else preset), ""
-            self._set(path, value, Provenance(f"level O{int(level)}", reason))
+            value, reasons = setting.value, []
+            if callable(value):
+                value = bool(value(self))
+                reasons.append(f"{describe(setting.value)}: {'yes' if value else 'no'}")
+            elif isinstance(value, list):
+                value = list(value)
+            if setting.reason:
+                reasons.append(setting.reason)
+            self._set(path, value, Provenance(source, name, "; ".join(reasons)))
 
     def _resolve_model_dtype(self) -> None:
         mc = self.model_config
@@ -165,8 +224,7 @@ class VllmConfig:
         # A name (torch_dtype imports torch when it is read): resolving needs no torch.
         if mc.dtype == "auto":
             mc.torch_dtype, reason = self.platform.resolve_auto_dtype(mc)
-            self.provenance["model_config.dtype"] = Provenance(
-                f"platform {self.platform.device_name}", reason)
+            self.provenance["model_config.dtype"] = self._platform(reason)
         else:
             mc.torch_dtype = mc.dtype
         if self.scheduler_config.max_model_len is None:
@@ -194,7 +252,7 @@ class VllmConfig:
         cc, sc = self.compilation_config, self.scheduler_config
         if cc.backend == "":
             self._set("compilation_config.backend", self.platform.simple_compile_backend,
-                      Provenance(f"platform {self.platform.device_name}", "platform's compiler"))
+                      self._platform("platform's compiler"))
         self._check_backend()
         if cc.use_inductor_graph_partition:
             raise ValueError(
@@ -207,7 +265,7 @@ class VllmConfig:
             base = "none" if inductor else "all"
             cc.custom_ops = [*cc.custom_ops, base]
             self.provenance.setdefault("compilation_config.custom_ops", Provenance(
-                f"derived: custom-op base '{base}'",
+                ConfigSource.DERIVED, f"custom-op base '{base}'",
                 "Inductor fuses the plain-torch ops" if inductor else "no Inductor: use kernels"))
         if cc.mode != CompilationMode.VLLM_COMPILE and (cc.backend == "eager"
                                                        or cc.mode != CompilationMode.NONE):
@@ -218,10 +276,10 @@ class VllmConfig:
         if sc.max_num_batched_tokens is None:
             self._set("scheduler_config.max_num_batched_tokens",
                       self.platform.default_max_num_batched_tokens,
-                      Provenance(f"platform {self.platform.device_name}", "platform default"))
+                      self._platform("platform default"))
         if sc.max_num_seqs is None:
             self._set("scheduler_config.max_num_seqs", self.platform.default_max_num_seqs,
-                      Provenance(f"platform {self.platform.device_name}", "platform default"))
+                      self._platform("platform default"))
         if not sc.enable_chunked_prefill and sc.max_model_len and \
                 sc.max_num_batched_tokens < sc.max_model_len:
             raise ValueError(
@@ -235,13 +293,14 @@ class VllmConfig:
         if cc.mode != CompilationMode.VLLM_COMPILE:
             if cc.splitting_ops is None:
                 self._set("compilation_config.splitting_ops", [],
-                          Provenance("derived: no piecewise compile", "mode is not VLLM_COMPILE"))
+                          Provenance(ConfigSource.DERIVED, "no piecewise compile",
+                                     "mode is not VLLM_COMPILE"))
             return
         if pc.fuse_attn_quant:
             if cc.splitting_ops is None:
                 self._set("compilation_config.splitting_ops", [], Provenance(
-                    "derived: fuse_attn_quant", "attention+quant fusion needs attention inside "
-                    "the compiled graph"))
+                    ConfigSource.DERIVED, "fuse_attn_quant", "attention+quant fusion needs "
+                    "attention inside the compiled graph"))
             elif set(ATTENTION_OPS) <= set(cc.splitting_ops):
                 raise ValueError(
                     "compilation_config.pass_config.fuse_attn_quant=True needs the attention op "
@@ -249,21 +308,17 @@ class VllmConfig:
                     "it; remove it from splitting_ops.")
         elif cc.splitting_ops is None:
             self._set("compilation_config.splitting_ops", list(ATTENTION_OPS), Provenance(
-                "derived: default split points", "split the graph at attention"))
+                ConfigSource.DERIVED, "default split points", "split the graph at attention"))
 
     def _resolve_cudagraph_mode(self) -> None:
+        """What the compiled model and the attention backend can capture. (A platform without
+        CUDA graphs says so in its level table: the mode is NONE by then.)"""
         cc = self.compilation_config
         mode = cc.cudagraph_mode
         path = "compilation_config.cudagraph_mode"
-        user = self._is_user(path)
         if mode is None:  # a level always sets it; kept for safety on hand-built tables
             mode = CUDAGraphMode.NONE
-            self._set(path, mode, Provenance("default", "nothing set it"))
-        if not self.platform.support_static_graph_mode() and mode != CUDAGraphMode.NONE:
-            self._refuse_or_downgrade(
-                path, CUDAGraphMode.NONE,
-                f"the {self.platform.device_name} platform has no CUDA graphs")
-            return
+            self._set(path, mode, Provenance(ConfigSource.DEFAULT, reason="nothing set it"))
         if mode.requires_piecewise_compilation() and cc.mode != CompilationMode.VLLM_COMPILE:
             new = mode.without_piecewise()
             self._refuse_or_downgrade(
@@ -274,7 +329,52 @@ class VllmConfig:
             new = CUDAGraphMode.NONE if mode == CUDAGraphMode.PIECEWISE else CUDAGraphMode.FULL
             self._refuse_or_downgrade(path, new, "splitting_ops is empty, so there are no pieces "
                                       "to capture piecewise")
-        del user
+        self._narrow_to_attention_backend()
+
+    def _narrow_to_attention_backend(self) -> None:
+        """Full CUDA graphs only for the batches the attention backend (the one layers get:
+        `selector.default_backend()`) can run inside one. Decided here, not by the model
+        runner, so that the resolved mode is the one that runs. An explicit mode is narrowed
+        too (warned, and so recorded), as upstream: part of it can still be honoured."""
+        cc = self.compilation_config
+        mode = cc.cudagraph_mode
+        if not mode.has_full_cudagraphs():
+            return  # nothing to ask the backend (and nothing imported)
+        from vllm.attention.selector import default_backend
+
+        backend = default_backend()
+        support = backend.cudagraph_support
+        new = cudagraph_mode_for_backend(mode, support, self.piecewise_compiled)
+        if new == mode:
+            return
+        path = "compilation_config.cudagraph_mode"
+        why = f"the {backend.get_name()} attention backend " + (
+            "cannot run inside a full CUDA graph" if support.name == "NEVER" else
+            f"runs only {support.name.lower().replace('_', ' ')} batches inside full CUDA graphs")
+        if self._is_user(path):
+            why += f" ({mode} was set explicitly)"
+            logger.warning("CUDA graph mode %s -> %s: %s.", mode, new, why)
+        else:
+            logger.info("CUDA graph mode %s -> %s: %s.", mode, new, why)
+        self._downgrade(path, new, why)
+
+    def _downgrade(self, path: str, new: Any, why: str) -> None:
+        """Set a narrower value; after an earlier downgrade, the provenance names the value
+        before both and both reasons."""
+        old = self.get_path(path)
+        if path in self._downgraded_from:
+            first, reason = self._downgraded_from[path], (
+                f"{self.provenance[path].reason}; then {old} -> {new}: {why}")
+        else:
+            first, reason = old, why
+        self._downgraded_from[path] = first
+        self._set(path, new, Provenance(ConfigSource.DERIVED, f"downgrade from {first}", reason))
+
+    @property
+    def piecewise_compiled(self) -> bool:
+        """Whether the model is compiled in pieces (piecewise CUDA graphs can capture them)."""
+        cc = self.compilation_config
+        return cc.mode == CompilationMode.VLLM_COMPILE and bool(cc.splitting_ops)
 
     def _refuse_or_downgrade(self, path: str, new: Any, why: str) -> None:
         old = self.get_path(path)
@@ -282,7 +382,7 @@ class VllmConfig:
             raise ValueError(f"{path.split('.')[-1]}={old} cannot be honoured: {why}. "
                              f"Use {new} or leave it unset.")
         logger.info("CUDA graph mode %s -> %s: %s.", old, new, why)
-        self._set(path, new, Provenance(f"derived: downgrade from {old}", why))
+        self._downgrade(path, new, why)
 
     def _set_cudagraph_sizes(self) -> None:
         cc, sc = self.compilation_config, self.scheduler_config
@@ -290,9 +390,9 @@ class VllmConfig:
         max_path = "compilation_config.max_cudagraph_capture_size"
         if cc.cudagraph_mode == CUDAGraphMode.NONE or self.model_config is None:
             if cc.cudagraph_capture_sizes is None:
-                self._set(sizes_path, [], Provenance("derived: no CUDA graphs", "nothing captured"))
+                self._set(sizes_path, [], _NO_GRAPHS)
             if cc.max_cudagraph_capture_size is None:
-                self._set(max_path, 0, Provenance("derived: no CUDA graphs", "nothing captured"))
+                self._set(max_path, 0, _NO_GRAPHS)
             return
         from vllm.config.capture_sizes import resolve_capture_sizes
 
@@ -302,9 +402,10 @@ class VllmConfig:
         for path, value in ((sizes_path, sizes), (max_path, max_size)):
             if self._is_user(path) and self.get_path(path) != value:
                 logger.warning("%s: %s", path, reason)
-                self._set(path, value, Provenance("derived: adjusted user value", reason))
+                self._set(path, value, Provenance(ConfigSource.DERIVED, "adjusted user value",
+                                                  reason))
             elif not self._is_user(path):
-                self._set(path, value, Provenance("derived: capture sizes", reason))
+                self._set(path, value, Provenance(ConfigSource.DERIVED, "capture sizes", reason))
 
     def _set_compile_sizes(self) -> None:
         cc = self.compilation_config
@@ -367,19 +468,10 @@ class VllmConfig:
 
     def _is_user(self, path: str) -> bool:
         prov = self.provenance.get(path)
-        return prov is not None and prov.source == "user"
+        return prov is not None and prov.source is ConfigSource.USER
 
-    def platform_set(self, path: str, value: Any, reason: str) -> None:
-        """For platform hooks: set a platform-owned leaf, or refuse an explicit user value."""
-        current = self.get_path(path)
-        if current == value:
-            return
-        if self._is_user(path):
-            name = path.split('.')[-1]
-            raise ValueError(f"{name}={_show(current)} cannot be honoured on the "
-                             f"{self.platform.device_name} platform: {reason}. Leave {name} "
-                             f"unset or set it to {_show(value)} there.")
-        self._set(path, value, Provenance(f"platform {self.platform.device_name}", reason))
+    def _platform(self, reason: str) -> Provenance:
+        return Provenance(ConfigSource.PLATFORM, self.platform.device_name, reason)
 
     def explain(self) -> list[tuple[str, Any, Provenance]]:
         """(field, resolved value, provenance) for the level and every level-controlled leaf."""
@@ -391,12 +483,12 @@ class VllmConfig:
             value = self.get_path(path)
             if path == "model_config.dtype":
                 value = str(self.model_config.resolved_dtype)
-            rows.append((path, value, self.provenance.get(path, Provenance("default", ""))))
+            rows.append((path, value, self.provenance.get(path, Provenance(ConfigSource.DEFAULT))))
         return rows
 
     def explain_text(self) -> str:
         """The resolved table a person reads (`vllm config`)."""
-        rows = [(path, _show(value), prov.source, prov.reason)
+        rows = [(path, _show(value), prov.label, prov.reason)
                 for path, value, prov in self.explain()]
         widths = [max(len(r[i]) for r in rows + [("field", "value", "source", "reason")])
                   for i in range(3)]
@@ -408,7 +500,7 @@ class VllmConfig:
         return "\n".join(lines)
 
     def explain_json(self) -> dict:
-        return {path: {"value": to_jsonable(value), "source": prov.source, "reason": prov.reason}
+        return {path: {"value": to_jsonable(value), "source": prov.label, "reason": prov.reason}
                 for path, value, prov in self.explain()}
 
     def summary_line(self) -> str:
@@ -427,6 +519,28 @@ class VllmConfig:
                  self.model_config.compute_hash() if self.model_config else "no-model",
                  self.platform.device_name]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+_NO_GRAPHS = Provenance(ConfigSource.DERIVED, "no CUDA graphs", "nothing captured")
+
+
+def cudagraph_mode_for_backend(mode: CUDAGraphMode, support: Any,
+                               piecewise_compiled: bool) -> CUDAGraphMode:
+    """`mode` narrowed to what an attention backend with this `AttentionCGSupport` runs inside
+    full CUDA graphs: none (NEVER) -> the piecewise part, if the model is compiled in pieces;
+    uniform single-token decode only -> full graphs for decode batches, mixed batches
+    piecewise (or without graphs). The model runner checks its backend with the same rule."""
+    from vllm.attention.backends.abstract import AttentionCGSupport
+
+    if mode.has_full_cudagraphs() and support == AttentionCGSupport.NEVER:
+        keeps_pieces = mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE)
+        return (CUDAGraphMode.PIECEWISE if piecewise_compiled and keeps_pieces
+                else CUDAGraphMode.NONE)
+    if mode.mixed_mode() == CUDAGraphMode.FULL and support not in (
+            AttentionCGSupport.ALWAYS, AttentionCGSupport.UNIFORM_BATCH):
+        return (CUDAGraphMode.FULL_AND_PIECEWISE if piecewise_compiled
+                else CUDAGraphMode.FULL_DECODE_ONLY)
+    return mode
 
 
 def _show(value: Any) -> str:

@@ -149,34 +149,27 @@ class ModelRunner:
             top_p=torch.ones(n, device=self.device), max_num_logprobs=1))
 
     # ---- CUDA graphs --------------------------------------------------------------------
-    def _runtime_cudagraph_mode(self) -> CUDAGraphMode:
-        """The configured CUDA-graph mode, narrowed to what the attention backend can run
-        inside a full graph (each downgrade is logged)."""
-        from vllm.attention.backends.abstract import AttentionCGSupport
-        from vllm.config.compilation import CompilationMode
+    def _resolved_cudagraph_mode(self) -> CUDAGraphMode:
+        """The resolved CUDA-graph mode, as `vllm config` shows it: config resolution already
+        narrowed it to what the attention backend runs inside full graphs. The model's layers
+        must have got a backend that runs it too (they get the default one)."""
+        from vllm.config.vllm import cudagraph_mode_for_backend
 
-        cc = self.vllm_config.compilation_config
-        mode = cc.cudagraph_mode or CUDAGraphMode.NONE
+        mode = self.vllm_config.compilation_config.cudagraph_mode or CUDAGraphMode.NONE
         support = self.attn_backend.cudagraph_support
-        piecewise_ok = cc.mode == CompilationMode.VLLM_COMPILE and bool(cc.splitting_ops)
-        new = mode
-        if mode.has_full_cudagraphs() and support == AttentionCGSupport.NEVER:
-            new = (CUDAGraphMode.PIECEWISE if piecewise_ok and mode in (
-                CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE) else CUDAGraphMode.NONE)
-        elif mode.mixed_mode() == CUDAGraphMode.FULL and support not in (
-                AttentionCGSupport.ALWAYS, AttentionCGSupport.UNIFORM_BATCH):
-            new = (CUDAGraphMode.FULL_AND_PIECEWISE if piecewise_ok
-                   else CUDAGraphMode.FULL_DECODE_ONLY)
-        if new != mode:
-            logger.warning("CUDA graph mode %s -> %s: the %s attention backend supports full "
-                           "graphs for %s", mode, new, self.attn_backend.get_name(),
-                           support.name.lower().replace("_", " "))
-        return new
+        if cudagraph_mode_for_backend(mode, support, self.vllm_config.piecewise_compiled) != mode:
+            name = self.attn_backend.get_name()
+            raise RuntimeError(
+                f"The resolved CUDA graph mode {mode} is more than the model's attention backend "
+                f"{name} runs inside full graphs ({support.name}): the config was resolved for "
+                f"another backend. Set VLLM_ATTENTION_BACKEND={name} or a cudagraph_mode it "
+                "supports.")
+        return mode
 
     def capture_model(self) -> None:
         """Capture the CUDA graphs the dispatcher keys (piecewise first, largest first), each
         after one warm-up run; afterwards `execute_model` dispatches to them."""
-        mode = self._runtime_cudagraph_mode()
+        mode = self._resolved_cudagraph_mode()
         if not mode:
             return
         from vllm.compilation.counter import compilation_counter

@@ -4,11 +4,37 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
+from vllm.config.levels import OptimizationLevel, Setting, enable_attn_fusion
 from vllm.platforms.interface import Platform, PlatformEnum
 
 if TYPE_CHECKING:
 
     from vllm.config import ModelConfig, VllmConfig
+
+
+def attn_fusion_keeps_cuda_graphs(cfg: VllmConfig) -> bool:
+    """model is FP8 with static activation scales, and the attention backend runs every batch inside full CUDA graphs (or none are captured)
+
+    The Attention+QuantFP8 fusion needs the attention op inside one compiled graph: no pieces,
+    so full CUDA graphs only. Unless the attention backend runs every batch inside a full
+    graph, that leaves the batches it cannot (prompts and mixed batches, or all of them) with
+    no CUDA graph at all, so the pieces (piecewise graphs) win: the fusion saves one copy per
+    layer, the graphs the launch of every op."""  # noqa: E501
+    if not enable_attn_fusion(cfg):
+        return False
+    if not cfg.compilation_config.cudagraph_mode:  # NONE: no CUDA graphs to keep
+        return True
+    from vllm.attention.backends.abstract import AttentionCGSupport
+    from vllm.attention.selector import default_backend
+
+    return default_backend().cudagraph_support == AttentionCGSupport.ALWAYS
+
+
+_ATTN_FUSION_ROW = {"compilation_config": {"pass_config": {"fuse_attn_quant": Setting(
+    attn_fusion_keeps_cuda_graphs, "else piecewise CUDA graphs are kept: the attention "
+    "backend's CUDA-graph support is that of vllm/attention/selector.py's default")}}}
+CUDA_LEVEL_TABLE = {OptimizationLevel.O2: _ATTN_FUSION_ROW, OptimizationLevel.O3: _ATTN_FUSION_ROW}
+"""CUDA's level table: where it differs from the base table (vllm/config/levels.py)."""
 
 
 class CudaPlatform(Platform):
@@ -18,6 +44,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     default_max_num_batched_tokens = 8192
     default_max_num_seqs = 256
+    level_table = CUDA_LEVEL_TABLE
 
     def is_available(self) -> bool:
         import torch
@@ -39,37 +66,6 @@ class CudaPlatform(Platform):
                 else "float16")  # not emulated bf16 (pre-Ampere GPUs)
         return half, (f"checkpoint dtype float32, run in {half} on CUDA; pass --dtype "
                       "float32 to keep float32")
-
-    def apply_level_defaults(self, vllm_config: VllmConfig) -> None:
-        self._keep_piecewise_graphs_over_attn_fusion(vllm_config)
-
-    @staticmethod
-    def _keep_piecewise_graphs_over_attn_fusion(vllm_config: VllmConfig) -> None:
-        """The level's Attention+QuantFP8 fusion (-O2, FP8 models with static scales) needs the
-        attention op inside one compiled graph: no pieces, so full CUDA graphs only. Unless
-        the attention backend runs every batch inside a full graph, that leaves the batches
-        it cannot (prompts and mixed batches, or all of them) with no CUDA graph at all, so
-        the pieces (piecewise graphs) win: the fusion saves one copy per layer, the graphs
-        the launch of every op. An explicit user value is never touched."""
-        from vllm.attention.backends.abstract import AttentionCGSupport
-        from vllm.attention.selector import default_backend
-
-        path = "compilation_config.pass_config.fuse_attn_quant"
-        prov = vllm_config.provenance.get(path)
-        mode = vllm_config.compilation_config.cudagraph_mode
-        if (not vllm_config.get_path(path) or prov is None or not prov.source.startswith("level")
-                or not mode):  # None or NONE: no CUDA graphs to keep
-            return
-        backend = default_backend()
-        support = backend.cudagraph_support
-        if support == AttentionCGSupport.ALWAYS:
-            return
-        what = ("cannot run inside a full CUDA graph" if support == AttentionCGSupport.NEVER
-                else f"runs only {support.name.lower().replace('_', ' ')} batches inside full "
-                     "CUDA graphs")
-        vllm_config.platform_set(
-            path, False, f"the {backend.get_name()} attention backend {what}, and the fusion "
-            "needs attention inside one compiled graph: piecewise CUDA graphs are kept instead")
 
     def get_device_capability(self) -> tuple[int, int] | None:
         if not self.is_available():

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
 
     from vllm.config import ModelConfig, VllmConfig
+    from vllm.config.levels import OptimizationLevel
 
 
 class PlatformEnum(enum.Enum):
@@ -17,7 +18,7 @@ class PlatformEnum(enum.Enum):
 
 
 class Platform:
-    """Base class. Subclasses own their level defaults through `apply_level_defaults`."""
+    """Base class. A subclass owns its level defaults through `level_table` (data)."""
 
     _enum: PlatformEnum
     device_name: str = ""
@@ -26,6 +27,10 @@ class Platform:
     simple_compile_backend: str = "inductor"
     default_max_num_batched_tokens: int = 8192
     default_max_num_seqs: int = 256
+    level_table: ClassVar[dict[OptimizationLevel, dict[str, Any]]] = {}
+    """This platform's own level table: where it differs from the base table, leaf by leaf,
+    each a `vllm.config.levels.Setting(value, reason)`. `VllmConfig` applies it after the
+    base table, with the same code (vllm/config/levels.py)."""
 
     def __init__(self, forced: bool = False) -> None:
         self.forced = forced
@@ -62,7 +67,8 @@ class Platform:
                 "models cannot run. Unset VLLM_PLATFORM to use the detected platform.")
 
     def support_static_graph_mode(self) -> bool:
-        """Whether CUDA graphs (or an equivalent) can be captured."""
+        """Whether CUDA graphs (or an equivalent) can be captured. (A platform without them
+        says so in its level table too: `cudagraph_mode` NONE, required, at every level.)"""
         return False
 
     def supports_allreduce_rms_fusion(self, vllm_config: VllmConfig) -> bool:
@@ -82,12 +88,3 @@ class Platform:
         for the choice. A name, so that resolving a config needs no torch."""
         name = model_config.checkpoint_dtype
         return name, f"checkpoint dtype {name}"
-
-    def apply_level_defaults(self, vllm_config: VllmConfig) -> None:
-        """Fill or narrow platform-owned fields after the level preset (DESIGN.md §3 step 3).
-
-        Use `vllm_config.platform_set(path, value, reason)`: it changes a value the level or a
-        default gave, and raises a clear error for an explicit user value it cannot honour."""
-
-    def check_and_update_config(self, vllm_config: VllmConfig) -> None:
-        """Last look at the resolved config (after derived rules)."""
