@@ -132,3 +132,17 @@ def test_cpu_table_holds_what_the_base_table_leaves_to_platforms():
                 assert leaf.value is True and " x1." in leaf.reason
             else:
                 assert leaf is None
+
+
+def test_a_required_predicate_is_asked_before_refusing(cpu_with_table):
+    def never(cfg) -> bool:
+        """this platform has the tuner"""
+        return False
+
+    cpu_with_table({OptimizationLevel.O3: {"compilation_config.max_autotune": Setting(
+        never, "checked at start", required=True)}})
+    with pytest.raises(ValueError, match="max_autotune=True cannot be honoured.*set it to "
+                       "False there"):
+        VllmConfig(optimization_level=3, compilation_config={"max_autotune": True})
+    assert VllmConfig(optimization_level=3, compilation_config={
+        "max_autotune": False}).compilation_config.max_autotune is False

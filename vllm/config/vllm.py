@@ -200,12 +200,15 @@ class VllmConfig:
             prov = self.provenance.get(path)
             if prov is not None and prov.explicit:
                 current = self.get_path(path)
-                if setting.required and current != setting.value:
+                required = setting.value
+                if setting.required and callable(required):
+                    required = bool(required(self))
+                if setting.required and current != required:
                     field_name = path.split(".")[-1]
                     raise ValueError(
                         f"{field_name}={_show(current)} cannot be honoured on the {name} "
                         f"platform: {setting.reason}. Leave {field_name} unset or set it to "
-                        f"{_show(setting.value)} there.")
+                        f"{_show(required)} there.")
                 continue
             value, reasons = setting.value, []
             if callable(value):
