@@ -114,3 +114,51 @@ def test_vllm_serve_a_repo_id_then_again_offline(hub, tmp_path):
             assert requests == []
         else:
             assert any(p.endswith("/model.safetensors") for p in requests)
+
+
+@pytest.mark.slow
+def test_upstream_example_command_gpt2_repo_through_the_simple_server(tmp_path):
+    """Upstream's optimization-level example, `python -m vllm.entrypoints.api_server --model
+    microsoft/DialoGPT-medium -O0`: a GPT-2 checkpoint under that repo id on the stand-in Hub,
+    downloaded and served by the simple /generate server; and its chat endpoint on the OpenAI
+    server answers 400 naming --chat-template (GPT-2's tokenizer has no chat template)."""
+    from tests.model_executor.hf_checkpoints import make_gpt2
+
+    src = make_gpt2(tmp_path / "dialogpt")
+    # No chat template, as GPT-2's tokenizer.
+    if os.path.exists(os.path.join(src, "chat_template.jinja")):
+        os.remove(os.path.join(src, "chat_template.jinja"))
+    with open(os.path.join(src, "tokenizer_config.json")) as f:
+        tokenizer_config = json.load(f)
+    tokenizer_config.pop("chat_template", None)
+    with open(os.path.join(src, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config, f)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(src).chat_template is None
+    cache = str(tmp_path / "cache")
+    with FakeHub() as hub:
+        hub.add_repo("microsoft/DialoGPT-medium", src)
+        env = subprocess_env(hub.url, cache)
+        server = RemoteServer("vllm.entrypoints.api_server",
+                              ["--model", "microsoft/DialoGPT-medium", "-O0",
+                               "--max-model-len", "128"], env=env, log_dir=str(tmp_path))
+        try:
+            reply = httpx.post(server.url + "/generate", timeout=60, json={
+                "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["text"][0].startswith("Hello")
+        finally:
+            server.stop()
+        server = RemoteServer("vllm.entrypoints.cli.main",
+                              ["serve", "microsoft/DialoGPT-medium", "-O0", "--max-model-len",
+                               "128"], env=subprocess_env(hub.url, cache, offline=True),
+                              log_dir=str(tmp_path))
+        try:
+            reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "model": "microsoft/DialoGPT-medium",
+                "messages": [{"role": "user", "content": "Hi"}]})
+            assert reply.status_code == 400, reply.text
+            assert "--chat-template" in reply.json()["error"]["message"]
+        finally:
+            server.stop()

@@ -77,6 +77,27 @@ class CachedRequestState:
         return self._allowed_ids
 
 
+@dataclass(slots=True)
+class PreparedBatch:
+    """One step's inputs, as `_prepare_inputs` leaves them for `_run_model` and `_sample`."""
+
+    req_ids: list[str]
+    """The scheduled requests, in batch order."""
+    input_ids: torch.Tensor
+    """[num_padded_tokens] views of the persistent input buffers (padding lanes zero)."""
+    positions: torch.Tensor
+    attn_metadata: object
+    cudagraph_mode: CUDAGraphMode
+    batch_descriptor: object
+    """The dispatcher's key for the CUDA graph to replay (None: none)."""
+    sample_req_ids: list[str]
+    """The requests that sample a token this step (their last scheduled token is their
+    last known one), and the rows of their logits in the hidden states."""
+    logits_indices: list[int]
+    prompt_lp_rows: list[tuple[str, int, int, int]]
+    """(request, first row, first position, number of rows) of prompt-logprob rows."""
+
+
 class ModelRunner:
     def __init__(self, vllm_config: VllmConfig, device: torch.device,
                  is_driver: bool = True) -> None:
@@ -284,11 +305,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        from vllm.forward_context import set_forward_context
-
+        """One step: input preparation (`_prepare_inputs`), the forward (`_run_model`),
+        logits and sampling (`_sample`), then the requests' computed-token counts move on."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self._prepare_inputs(so)
+        hidden = self._run_model(batch)
+        output = self._sample(hidden, batch)
+        for req_id, n in so.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    # ---- input preparation --------------------------------------------------------------
+    def _prepare_inputs(self, so: SchedulerOutput) -> PreparedBatch:
+        """Fill the persistent input buffers (token ids, positions) for the scheduled tokens,
+        pick the CUDA-graph mode and padded size, move the inputs to the device and build the
+        attention metadata. Also notes which rows sample and which give prompt logprobs."""
         bs = self.block_size
         buffers = self.input_buffers
         req_ids = list(so.num_scheduled_tokens)
@@ -336,24 +369,34 @@ class ModelRunner:
             query_lens, seq_lens, block_tables, slot_mapping,
             num_padded_tokens=num_padded if num_padded != num_tokens else None,
             device=self.device)
-        with set_forward_context(attn_metadata, self.vllm_config,
-                                 attn_layers=self.attention_layers,
-                                 cudagraph_runtime_mode=mode, batch_descriptor=batch_descriptor):
-            hidden = self.model(input_ids, positions)
+        return PreparedBatch(req_ids, input_ids, positions, attn_metadata, mode,
+                             batch_descriptor, sample_req_ids, logits_indices, prompt_lp_rows)
 
-        output = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={})
-        if sample_req_ids:
-            self._sample(hidden, sample_req_ids, logits_indices, output)
-        if prompt_lp_rows:
-            self._prompt_logprobs(hidden, prompt_lp_rows, output)
-        for req_id in req_ids:
-            state = self.requests[req_id]
-            state.num_computed_tokens += so.num_scheduled_tokens[req_id]
-        return output
+    # ---- model run ----------------------------------------------------------------------
+    def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
+        """The (compiled, or CUDA-graph replayed) forward inside the forward context: hidden
+        states [num_padded_tokens, hidden_size]."""
+        from vllm.forward_context import set_forward_context
+
+        with set_forward_context(batch.attn_metadata, self.vllm_config,
+                                 attn_layers=self.attention_layers,
+                                 cudagraph_runtime_mode=batch.cudagraph_mode,
+                                 batch_descriptor=batch.batch_descriptor):
+            return self.model(batch.input_ids, batch.positions)
 
     # ---- sampling -----------------------------------------------------------------------
-    def _sample(self, hidden: torch.Tensor, req_ids: list[str], logits_indices: list[int],
-                output: ModelRunnerOutput) -> None:
+    def _sample(self, hidden: torch.Tensor, batch: PreparedBatch) -> ModelRunnerOutput:
+        """Logits of the rows that sample, the sampled tokens (and their logprobs), and the
+        prompt logprobs asked for; the step's ModelRunnerOutput."""
+        output = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids={})
+        if batch.sample_req_ids:
+            self._sample_tokens(hidden, batch.sample_req_ids, batch.logits_indices, output)
+        if batch.prompt_lp_rows:
+            self._prompt_logprobs(hidden, batch.prompt_lp_rows, output)
+        return output
+
+    def _sample_tokens(self, hidden: torch.Tensor, req_ids: list[str],
+                       logits_indices: list[int], output: ModelRunnerOutput) -> None:
         # The indices increase (one per request, in batch order): first..last spaced by one
         # is a run (all-decode batches), taken as a view instead of a gather.
         first, n = logits_indices[0], len(logits_indices)
