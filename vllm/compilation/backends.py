@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from vllm.compilation import inductor_light
 from vllm.compilation.cache import (
     CompileCache,
+    GraphCacheMiss,
     cache_directory_problem,
     cache_disabled_reason,
 )
@@ -120,15 +120,10 @@ class VllmBackend:
         self.pieces: list[SplitItem] = []
         self.timer = get_startup_timer()
         self.traced_files: list[str] = []
-        # For serving calls without Dynamo and saving the traced graph (graph_cache.py): the
-        # Dynamo graph's input sources, the split module as pickled before its pieces were
-        # replaced (cache on), the compiled pieces and the graph outputs of the first call.
-        self.graph_sources: list[str] | None = None
-        self.graph_kinds: list[str] = []
-        self.split_pickle: dict[str, Any] | None = None
-        """The split module and its compiled pieces' graphs, pickled (graph_cache.py)."""
         self.piece_backends: list[PiecewiseBackend] = []
-        self.output_recorder: Any = None
+        self.capture: Any = None
+        """What serving calls without Dynamo and saving the traced graph need, taken at split
+        time (`graph_cache.GraphCapture`); None when not possible."""
 
     # ---- Dynamo entry point ------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -147,8 +142,6 @@ class VllmBackend:
         self._open_cache(gm)
         with _stage("split", self.dumper):
             split_gm, items = split_graph(gm, self.splitting_ops)
-        self.split_gm, self.pieces = split_gm, items
-        self.piece_backends = []
         compilation_counter.num_piecewise_graphs_seen += len(items)
         compilation_counter.num_piecewise_capturable_graphs_seen += sum(
             not item.is_splitting for item in items)
@@ -158,10 +151,11 @@ class VllmBackend:
             kind = "splitting op, runs eagerly" if item.is_splitting else "compiled"
             self.dumper.dump_graph(f"piece_{item.index}.py", item.graph,
                                    f"piece {item.index} ({item.name}): {kind}")
+        self.capture = None
         if not self.frozen:
             from vllm.compilation.graph_cache import capture_graph
 
-            capture_graph(self, gm, split_gm)
+            self.capture = capture_graph(gm, split_gm, items, save=self.cache is not None)
         with _stage("fake propagation through the pieces", self.dumper):
             piece_inputs = _inputs_from_meta(items) or \
                 _PieceInputRecorder(split_gm).record(_fake_inputs(example_inputs))
@@ -179,18 +173,16 @@ class VllmBackend:
                     len(items), sum(i.is_splitting for i in items), self.splitting_ops or "nothing",
                     self.compiler.name, elapsed)
         self.pass_manager.log_match_counts()
-        if self.graph_sources is not None:
-            from vllm.compilation.graph_cache import FirstOutputRecorder
-
-            self.output_recorder = FirstOutputRecorder(split_gm.forward)
-            return self.output_recorder
+        if self.capture is not None:
+            return self.capture.record_first_outputs(split_gm.forward)
         return split_gm.forward
 
     def install_pieces(self, split_gm: fx.GraphModule, items: list[SplitItem],
                        make_piece: Callable[[SplitItem], PiecewiseBackend]) -> None:
-        """Put each piece's runnable in place of its submodule: splitting pieces run their
-        graph's code, the others a `make_piece(item)` (in a CUDA-graph wrapper when piecewise
-        CUDA graphs are on)."""
+        """Make `split_gm` (split into `items`) this backend's graph, each piece's runnable in
+        place of its submodule: splitting pieces run their graph's code, the others a
+        `make_piece(item)` (in a CUDA-graph wrapper when piecewise CUDA graphs are on)."""
+        self.split_gm, self.pieces, self.piece_backends = split_gm, items, []
         cudagraph_mode = self.vllm_config.compilation_config.cudagraph_mode
         for item in items:
             if item.is_splitting:
@@ -233,14 +225,19 @@ class VllmBackend:
             log("compile cache: disabled (%s)", reason)
             return
         self.traced_files = traced_source_files(gm)
-        files = self.model_source_files + self.traced_files
         try:
-            self.cache = CompileCache.for_model(self.vllm_config, files,
-                                                self.pass_manager.uuid(), self.rank)
+            self.cache = CompileCache.for_model(self.vllm_config, self.model_source_files,
+                                                self.pass_manager.uuid(), self.rank,
+                                                self.traced_files)
         except OSError as e:  # e.g. a root the checks above cannot see is read-only
             logger.warning("compile cache: disabled (cannot create its directory: %s)", e)
             return
         logger.info("compile cache: using %s", self.cache.directory)
+
+    def use_cache(self, cache: CompileCache) -> None:
+        """Compile into and load from `cache` (the entry a traced graph was loaded from)."""
+        self.cache, self.traced_files = cache, list(cache.traced_files)
+        logger.info("compile cache: using %s", cache.directory)
 
     # ---- one piece, one range or size ----------------------------------------------------
     @staticmethod
@@ -249,13 +246,17 @@ class VllmBackend:
         """The compile-cache key of one piece compile (`digest`: `graph_digest(gm)`)."""
         return graph_hash(gm, example_inputs, digest) + "|" + str(compile_range)
 
-    def compile_piece(self, gm: fx.GraphModule, example_inputs: list[Any], piece_index: int,
-                      compile_range: Range, digest: str | None = None) -> Callable:
+    def compile_piece(self, gm: fx.GraphModule | None, example_inputs: list[Any],
+                      piece_index: int, compile_range: Range, digest: str | None = None,
+                      key: str | None = None) -> Callable:
+        """One piece compiled for one range or size, or loaded from the compile cache.
+        `gm` None (with its `key`): a piece restored with the traced graph, whose graph is
+        not at hand: loaded only (raises GraphCacheMiss when the cache does not have it)."""
         compilation_counter.num_backend_compilations += 1
         tag = compile_range.tag
-        name = self.piece_entry(piece_index, compile_range)
         dump_dir = self.dumper.piece_dir(piece_index, tag)
-        key = self.piece_key(gm, example_inputs, compile_range, digest)
+        if key is None:
+            key = self.piece_key(gm, example_inputs, compile_range, digest)
         # Pieces with the same code and input shapes (the middle decoder layers: the weights
         # are inputs) share one compiled callable: compiled or loaded once.
         shareable = self._shareable(dump_dir)
@@ -263,7 +264,7 @@ class VllmBackend:
         if shared is not None:
             return shared
         runnable = self._compile_or_load(gm, example_inputs, piece_index, compile_range, key,
-                                         name, dump_dir)
+                                         dump_dir)
         if shareable:
             self.share(key, piece_index, runnable)
         return runnable
@@ -295,68 +296,66 @@ class VllmBackend:
         return (f"piece {place} (graph piece {piece_index}, {tokens}) with "
                 f"{self.compiler.name}")
 
-    def piece_entry(self, piece_index: int, compile_range: Range) -> str:
-        return f"piece_{piece_index}.{compile_range.tag}.bin"
-
-    def _compile_or_load(self, gm: fx.GraphModule, example_inputs: list[Any],
-                         piece_index: int, compile_range: Range, key: str, name: str,
+    def _compile_or_load(self, gm: fx.GraphModule | None, example_inputs: list[Any],
+                         piece_index: int, compile_range: Range, key: str,
                          dump_dir: str | None) -> Callable:
+        """The one path of a piece compile: from the compile cache when it has the piece,
+        else compiled (and saved). Without a cache (or with frozen pieces) always compiled.
+        A missing piece whose graph is not at hand (`gm` None) raises GraphCacheMiss."""
         tag = compile_range.tag
         what = self.piece_label(piece_index, compile_range)
-        if self.cache is None or self.frozen:
-            cache_dir = self.cache.inductor_cache_dir if self.cache is not None else None
-            with _stage(f"{self.compiler.name} compile of piece {piece_index}", self.dumper,
-                        piece_index), \
-                    self.timer.phase("inductor compilation", piece=piece_index, range=tag,
-                                     backend=self.compiler.name,
-                                     cache="frozen" if cache_dir else "off"), \
-                    waiting(logger, f"Compiling {what}", done=f"Compiled {what}"):
-                extra = (cache_dir,) if cache_dir else ()  # compilers without a cache: 5 args
+        cache = None if self.frozen else self.cache
+        with contextlib.ExitStack() as stack:
+            if cache is not None:
+                stack.enter_context(self.cache_lock(what))
+            info = stack.enter_context(self.timer.phase(
+                "inductor compilation", piece=piece_index, range=tag,
+                backend=self.compiler.name))
+            if cache is not None:
+                name = cache.piece_entry(piece_index, tag)
+                with waiting(logger, f"Loading {what} from the compile cache", announce=False,
+                             done=f"Loaded {what} from the compile cache") as wait:
+                    loaded = cache.load_piece(name, key, self.compiler)
+                    if loaded is None and wait is not None:
+                        wait.done = None
+                if loaded is not None:
+                    runnable, info["cache"] = loaded
+                    return runnable
+            if gm is None:
+                info["cache"] = "load failed" if cache is not None and name in cache.dropped \
+                    else "missing"
+                raise GraphCacheMiss(f"compiled piece {piece_index} ({tag}) is missing or "
+                                     "damaged in the compile cache")
+            if cache is None:
+                info["cache"] = "frozen" if self.cache is not None else "off"
+            else:
+                info["cache"] = "miss"
+            runnable = self._run_compiler(gm, example_inputs, piece_index, compile_range,
+                                          dump_dir, what)
+            if cache is not None:
+                cache.store_piece(name, key, self.compiler, runnable)
+            return runnable
+
+    def _run_compiler(self, gm: fx.GraphModule, example_inputs: list[Any], piece_index: int,
+                      compile_range: Range, dump_dir: str | None, what: str) -> Callable:
+        # Inductor's cache in the compile-cache entry (frozen pieces too: their C++ objects
+        # are reused); compilers without one (eager) take 5 arguments.
+        extra = (self.cache.inductor_cache_dir,) if self.cache is not None else ()
+        with _stage(f"{self.compiler.name} compile of piece {piece_index}", self.dumper,
+                    piece_index), waiting(logger, f"Compiling {what}", done=f"Compiled {what}"):
+            try:
                 compiled = self.compiler.compile(gm, example_inputs, compile_range,
                                                  piece_index, dump_dir, *extra)
-            self._record_output_code(piece_index, tag, dump_dir)
-            return compiled
-        with self.cache_lock(what), self.timer.phase(
-                "inductor compilation", piece=piece_index, range=tag, backend="inductor") as info:
-            path = self.cache.lookup(name, key)
-            if path is not None:
-                try:
-                    with waiting(logger, f"Loading {what} from the compile cache",
-                                 announce=False, done=f"Loaded {what} from the compile cache"):
-                        artifact, info["cache"] = self.load_cached_piece(name, key, path)
-                    self.cache.record(name, hit=True)
-                    return artifact
-                except Exception as e:  # a damaged entry is recompiled, never trusted
-                    problem = f"failed to load ({type(e).__name__}: {e})"
-                    self.cache.drop(name, problem)
-                    # The damage may be in a kernel Inductor built (a .so), which it would
-                    # reuse for the recompile.
-                    self.cache.reset_inductor_cache(f"piece {piece_index} {problem}")
-            info["cache"] = "miss"
-            with _stage(f"inductor compile of piece {piece_index}", self.dumper, piece_index), \
-                    waiting(logger, f"Compiling {what}", done=f"Compiled {what}"):
-                try:
-                    artifact = self.compiler.compile(gm, example_inputs, compile_range,
-                                                     piece_index, dump_dir,
-                                                     self.cache.inductor_cache_dir)
-                except Exception as e:
-                    # Inductor reads its own cache while compiling: once more from an empty
-                    # one, in case a damaged file there was the cause.
-                    if not self.cache.reset_inductor_cache(
-                            f"compiling piece {piece_index} failed: {type(e).__name__}: {e}"):
-                        raise
-                    artifact = self.compiler.compile(gm, example_inputs, compile_range,
-                                                     piece_index, dump_dir,
-                                                     self.cache.inductor_cache_dir)
-            self._record_output_code(piece_index, tag, dump_dir)
-            self.cache.record(name, hit=False)
-            try:
-                path = self.cache.store(name, key, lambda tmp: self.compiler.save(artifact, tmp))
             except Exception as e:
-                logger.warning("compile cache: could not save %s: %s", name, e)
-            else:
-                inductor_light.save_cached(self.cache, name, key, path)
-            return artifact
+                # Inductor reads its own cache while compiling: once more from an empty one,
+                # in case a damaged file there was the cause.
+                if self.cache is None or self.frozen or not self.cache.reset_inductor_cache(
+                        f"compiling piece {piece_index} failed: {type(e).__name__}: {e}"):
+                    raise
+                compiled = self.compiler.compile(gm, example_inputs, compile_range,
+                                                 piece_index, dump_dir, *extra)
+        self._record_output_code(piece_index, compile_range.tag, dump_dir)
+        return compiled
 
     @contextlib.contextmanager
     def cache_lock(self, what: str) -> Iterator[None]:
@@ -369,18 +368,6 @@ class VllmBackend:
                          f"cache {self.cache.directory} is locked)", announce=False):
                 stack.enter_context(self.cache.lock())
             yield
-
-    def load_cached_piece(self, name: str, key: str, path: str) -> tuple[Callable, str]:
-        """Piece entry `name` (at `path`, checked) and how it loaded: without Inductor from its
-        light entry when it has one that loads, else the full way (and then described for
-        the next start: inductor_light.py). Raises when the full load fails."""
-        assert self.cache is not None
-        light = inductor_light.load_cached(self.cache, name, key)
-        if light is not None:
-            return light, "hit (without Inductor)"
-        artifact = self.compiler.load(path, self.cache.inductor_cache_dir)
-        inductor_light.save_cached(self.cache, name, key, path)
-        return artifact, "hit"
 
     def _record_output_code(self, piece_index: int, tag: str, dump_dir: str | None) -> None:
         if dump_dir is None or self.compiler.name != "inductor":

@@ -1,8 +1,8 @@
-"""On-disk compile cache for the compiled pieces.
+"""On-disk compile cache: the compiled pieces and the traced graph, under one key.
 
 Layout: `<root>/<key[:10]>/rank_<r>/` where root is `compilation_config.cache_dir` or
 `<VLLM_CACHE_ROOT>/torch_compile_cache`, holding
-  manifest.json            the key factors and, per artifact, its sha256, size and graph hash
+  manifest.json            the key factors and, per entry, its sha256, size and graph hash
   <piece>.<range>.bin      Inductor artifacts (`CompiledArtifact.save(format="binary")`)
   inductor_cache/          Inductor's own cache dir while we compile/load (keeps the built
                            C++ objects, so a warm start does not run the C++ compiler again)
@@ -11,30 +11,50 @@ Layout: `<root>/<key[:10]>/rank_<r>/` where root is `compilation_config.cache_di
                            (inductor_light.py), and their kernels
   graph.pkl                the traced graph (graph_cache.py: warm starts without Dynamo)
   .lock                    fcntl lock held while one process compiles this key
+and `<root>/graph_index/<key of the factors without the traced files>.rank_<r>.json`: the
+files Dynamo traced, the only part of the key a start cannot compute before tracing.
 
-The key covers everything that changes the compiled code (`VllmConfig.compute_hash()`, torch,
-triton and our versions, the traced model source, our compiler source, the pass manager's
-uuid, the CPU's instruction set) and nothing memory-sized. Writes are atomic (temp file +
-os.replace); an entry whose checksum or size does not match the manifest, or that fails to
-load, is logged, counted and recompiled, never trusted.
+The interface the backend uses, one path for a hit and a miss:
+  load_piece(name, key, compiler) -> (runnable, how) | None    store_piece(...)
+  load_graph() -> record (raises GraphCacheMiss)                store_graph(record)
+  CompileCache.for_model(...)  the entry to compile into; `find_saved_graph(...)` the entry a
+                               traced graph was saved in (raises GraphCacheMiss)
+A piece loads without Inductor from its light entry when it has one (inductor_light.py),
+else through the compiler's full load, after which the light entry is written.
+
+The key (cache_key.py) covers everything that changes the compiled code and nothing
+memory-sized. Writes are atomic (`vllm.utils.file_utils`); an entry whose checksum or size does
+not match the manifest, or that fails to load, is logged, counted and recompiled, never
+trusted.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
-import platform
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from vllm.compilation.cache_key import (  # noqa: F401 (the key's names, re-exported)
+    cache_directory_problem,
+    cache_disabled_reason,
+    cache_root,
+    compiler_source_files,
+    compute_cache_factors,
+    compute_cache_key,
+    cpu_fingerprint,
+    entry_directory,
+    files_hash,
+    index_path,
+    sha256_file,
+)
 from vllm.compilation.counter import compilation_counter
 from vllm.logger import init_logger
+from vllm.utils.file_utils import atomic_path, atomic_write
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -42,7 +62,12 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 MANIFEST = "manifest.json"
-_FORMAT_VERSION = 1
+GRAPH_ENTRY = "graph.pkl"
+GRAPH_TAG = "traced-graph"  # the graph entry's "graph_hash" in the manifest
+
+
+class GraphCacheMiss(Exception):
+    """The saved traced graph cannot be used; the message says why."""
 
 
 LOCK_WAIT_LOG_SECONDS = 60.0
@@ -102,120 +127,6 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         json.dump(data, f, indent=1, sort_keys=True)
 
 
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files_hash(paths: list[str | os.PathLike]) -> str:
-    """Contents only (the same source installed elsewhere gives the same key)."""
-    h = hashlib.sha256()
-    for path in sorted(set(map(os.fspath, paths))):
-        try:
-            with open(path, "rb") as f:
-                h.update(f.read())
-        except OSError:
-            h.update(b"<missing>")
-    return h.hexdigest()
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return hashlib.sha256(line.encode()).hexdigest()[:16]
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def compiler_source_files() -> list[str]:
-    """Our compile stack's own source: a change in it may change the artifacts."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    files = []
-    for dirpath, _, names in os.walk(here):
-        files += [os.path.join(dirpath, n) for n in names if n.endswith(".py")]
-    return sorted(files)
-
-
-def compute_cache_factors(vllm_config: VllmConfig, model_source_files: list[str],
-                          pass_manager_uuid: str) -> dict[str, str]:
-    """What the cache key is made of, each factor as a short string (stored in the manifest,
-    so a person can see why two directories differ)."""
-    import torch
-
-    from vllm.version import __version__
-
-    try:
-        import triton  # noqa: F401
-
-        triton_version = triton.__version__
-    except Exception:
-        triton_version = "none"
-    return {
-        "format": str(_FORMAT_VERSION),
-        "config": vllm_config.compute_hash(),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "vllm": __version__,
-        "model_source": _files_hash(model_source_files),
-        "compiler_source": _files_hash(compiler_source_files()),
-        "passes": pass_manager_uuid,
-        "machine": f"{platform.machine()}-{_cpu_flags()}",
-        "accelerator": _accelerator(vllm_config),
-    }
-
-
-def _accelerator(vllm_config: VllmConfig) -> str:
-    """The GPU the code is built for (Triton kernels target its architecture, and FP8 layers
-    choose their GEMM by its capability): a cache shared by an A100 and an H100 must not hand
-    one the other's artifacts. "none" off CUDA."""
-    import torch
-
-    if not vllm_config.platform.is_cuda() or not torch.cuda.is_available():
-        return "none"
-    major, minor = torch.cuda.get_device_capability()
-    return f"cuda{torch.version.cuda}-{torch.cuda.get_device_name()}-sm{major}{minor}"
-
-
-def compute_cache_key(factors: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
-
-
-def cache_root(vllm_config: VllmConfig) -> str:
-    from vllm import envs
-
-    configured = vllm_config.compilation_config.cache_dir
-    if configured:
-        return os.path.abspath(os.path.expanduser(configured))
-    return os.path.join(envs.VLLM_CACHE_ROOT, "torch_compile_cache")
-
-
-def cache_disabled_reason(vllm_config: VllmConfig) -> str | None:
-    from vllm import envs
-
-    if envs.VLLM_DISABLE_COMPILE_CACHE:
-        return f"VLLM_DISABLE_COMPILE_CACHE={os.environ['VLLM_DISABLE_COMPILE_CACHE'].strip()}"
-    if vllm_config.compilation_config.debug_dump_path:
-        return "debug_dump_path is set: everything is compiled so that the dump is complete"
-    if vllm_config.compilation_config.backend != "inductor":
-        return f"backend {vllm_config.compilation_config.backend!r} produces nothing to cache"
-    return cache_directory_problem(vllm_config)
-
-
-def cache_directory_problem(vllm_config: VllmConfig) -> str | None:
-    """Why the cache root cannot be written (named with the path), or None."""
-    from vllm.config.utils import directory_problem
-
-    root = cache_root(vllm_config)
-    problem = directory_problem(root)
-    return None if problem is None else f"the cache directory {root!r} is not usable: {problem}"
-
-
 class CompileCache:
     """One key's directory: locked compiles, checksummed entries, atomic writes."""
 
@@ -230,14 +141,49 @@ class CompileCache:
         self.misses: list[str] = []
         self.graph_loaded = False
         """The traced graph came from this entry too (graph_cache.py: Dynamo not run)."""
+        self.dropped: list[str] = []
+        """Entries dropped as damaged in this process."""
+        self.traced_files: list[str] = []
+        self.index_path: str | None = None
+        """Where `store_graph` files `traced_files` (set by `for_model`)."""
 
     @classmethod
     def for_model(cls, vllm_config: VllmConfig, model_source_files: list[str],
-                  pass_manager_uuid: str, rank: int = 0) -> CompileCache:
-        factors = compute_cache_factors(vllm_config, model_source_files, pass_manager_uuid)
-        key = compute_cache_key(factors)
-        directory = os.path.join(cache_root(vllm_config), key[:10], f"rank_{rank}")
-        return cls(directory, factors)
+                  pass_manager_uuid: str, rank: int = 0,
+                  traced_files: list[str] | tuple[str, ...] = ()) -> CompileCache:
+        """The entry for this model and config: `traced_files` are the files Dynamo traced
+        (in the key; a traced graph saved here records them in the index)."""
+        base = compute_cache_factors(vllm_config, model_source_files, pass_manager_uuid)
+        factors = base if not traced_files else {
+            **base, "model_source": files_hash([*model_source_files, *traced_files])}
+        root = cache_root(vllm_config)
+        cache = cls(entry_directory(root, factors, rank), factors)
+        cache.traced_files = list(traced_files)
+        cache.index_path = index_path(root, base, rank)
+        return cache
+
+    @classmethod
+    def find_saved_graph(cls, vllm_config: VllmConfig, model_source_files: list[str],
+                         pass_manager_uuid: str, rank: int = 0) -> CompileCache:
+        """The entry a traced graph was saved in for this model and config, found without
+        tracing: the traced files come from the index. Raises GraphCacheMiss."""
+        base = compute_cache_factors(vllm_config, model_source_files, pass_manager_uuid)
+        root = cache_root(vllm_config)
+        index = index_path(root, base, rank)
+        try:
+            with open(index) as f:
+                traced = [str(p) for p in json.load(f)["traced_files"]]
+        except FileNotFoundError:
+            raise GraphCacheMiss("none saved for this model and config yet") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise GraphCacheMiss(f"the index {index} is unreadable ({e})") from None
+        factors = {**base, "model_source": files_hash([*model_source_files, *traced])}
+        directory = entry_directory(root, factors, rank)
+        if not os.path.isdir(directory):
+            raise GraphCacheMiss("no cache entry for the current source of the traced files")
+        cache = cls(directory, factors)
+        cache.traced_files, cache.index_path = traced, index
+        return cache
 
     @property
     def inductor_cache_dir(self) -> str:
@@ -288,18 +234,10 @@ class CompileCache:
             return fresh
 
     def _write_atomic(self, name: str, write: Callable[[str], None]) -> str:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        try:
+        final = self.path(name)
+        with atomic_path(final, fsync=True) as tmp:
             write(tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            final = os.path.join(self.directory, name)
-            os.replace(tmp, final)
-            return final
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        return final
 
     def _update_manifest(self, name: str, entry: dict[str, Any] | None) -> None:
         with self.lock():
@@ -327,7 +265,7 @@ class CompileCache:
             size = os.path.getsize(path)
             if size != entry.get("size"):
                 problem = f"size {size} != {entry.get('size')} recorded (truncated?)"
-            elif _sha256_file(path) != entry.get("sha256"):
+            elif sha256_file(path) != entry.get("sha256"):
                 problem = "checksum mismatch"
         except OSError as e:
             problem = f"unreadable ({e})"
@@ -340,6 +278,7 @@ class CompileCache:
         logger.warning("compile cache: corrupt entry %s in %s: %s; recompiling it", name,
                        self.directory, problem)
         compilation_counter.num_cache_corrupt += 1
+        self.dropped.append(name)
         with contextlib.suppress(OSError):
             os.unlink(self.path(name))
         self._update_manifest(name, None)
@@ -369,7 +308,7 @@ class CompileCache:
         (`count`: in `num_cache_saves`)."""
         with self.lock():
             final = self._write_atomic(name, write)
-            self._update_manifest(name, {"sha256": _sha256_file(final),
+            self._update_manifest(name, {"sha256": sha256_file(final),
                                          "size": os.path.getsize(final),
                                          "graph_hash": graph_hash})
         if count:
@@ -382,6 +321,137 @@ class CompileCache:
             os.unlink(self.path(name))
         with contextlib.suppress(OSError):
             self._update_manifest(name, None)
+
+    # ---- compiled pieces -------------------------------------------------------------
+    @staticmethod
+    def piece_entry(piece_index: int, range_tag: str) -> str:
+        """The entry name of piece `piece_index` compiled for the range with `range_tag`."""
+        return f"piece_{piece_index}.{range_tag}.bin"
+
+    def load_piece(self, name: str, key: str, compiler: Any) -> tuple[Callable, str] | None:
+        """The piece stored as `name` for `key` and how it loaded: "hit (without Inductor)"
+        from its light entry, else "hit" (the compiler's full load, after which the light
+        entry is written for the next start). None when there is none: missing, for another
+        key, or damaged (then dropped, counted, and Inductor's cache emptied, so that the
+        caller's compile does not reuse a damaged kernel). A hit is recorded."""
+        path = self.lookup(name, key)
+        if path is None:
+            return None
+        light = self._load_light(name, key)
+        if light is not None:
+            self.record(name, hit=True)
+            return light, "hit (without Inductor)"
+        try:
+            artifact = compiler.load(path, self.inductor_cache_dir)
+        except Exception as e:  # a damaged entry is recompiled, never trusted
+            problem = f"failed to load ({type(e).__name__}: {e})"
+            self.drop(name, problem)
+            # The damage may be in a kernel Inductor built (a .so), which it would reuse.
+            self.reset_inductor_cache(f"{name} {problem}")
+            return None
+        self._store_light(name, key, path)
+        self.record(name, hit=True)
+        return artifact, "hit"
+
+    def store_piece(self, name: str, key: str, compiler: Any, artifact: Any) -> None:
+        """Record the miss of a piece just compiled and save it as `name` for `key` (with
+        its light entry when it runs without Inductor); a failure to save is logged."""
+        self.record(name, hit=False)
+        try:
+            path = self.store(name, key, lambda tmp: compiler.save(artifact, tmp))
+        except Exception as e:
+            logger.warning("compile cache: could not save %s: %s", name, e)
+            return
+        self._store_light(name, key, path)
+
+    def _load_light(self, name: str, key: str) -> Callable | None:
+        """Piece `name` run without importing Inductor, from its light entry; None when there
+        is none or it does not load (logged; the light entry is dropped, and the piece,
+        loaded the full way, writes it again)."""
+        light_name = _light_entry(name)
+        path = self.lookup(light_name, key)
+        if path is None:
+            return None
+        from vllm.compilation import inductor_light
+
+        try:
+            with open(path) as f:
+                record = json.load(f)
+            piece = inductor_light.load(record, self.light_kernel_dir, name.removesuffix(".bin"))
+        except inductor_light.DamagedKernel as e:
+            logger.warning("compile cache: %s: %s; loading the piece with Inductor",
+                           light_name, e)
+            compilation_counter.num_cache_corrupt += 1
+            self.remove(light_name)
+            return None
+        except Exception as e:
+            logger.info("compile cache: %s not used (%s: %s); loading the piece with Inductor",
+                        light_name, type(e).__name__, e)
+            self.remove(light_name)
+            return None
+        compilation_counter.num_light_loads += 1
+        return piece
+
+    def _store_light(self, name: str, key: str, artifact_path: str) -> None:
+        """Write the light entry of piece `name` (just compiled or loaded the full way, its
+        artifact at `artifact_path`) when the piece can run without Inductor."""
+        from vllm.compilation import inductor_light
+
+        try:
+            record = inductor_light.describe(artifact_path, self.inductor_cache_dir,
+                                             self.light_kernel_dir)
+        except inductor_light.NotLight as e:
+            logger.debug("%s needs Inductor at every start: %s", name, e)
+            return
+        except Exception as e:
+            logger.info("compile cache: %s not described for loading without Inductor "
+                        "(%s: %s)", name, type(e).__name__, e)
+            return
+        text = json.dumps(record)
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                f.write(text)
+
+        try:
+            self.store(_light_entry(name), key, write, count=False)
+        except Exception as e:
+            logger.warning("compile cache: could not save %s: %s", _light_entry(name), e)
+
+    # ---- the traced graph ------------------------------------------------------------
+    def load_graph(self) -> dict[str, Any]:
+        """The traced-graph record saved in this entry (graph_cache.py). Raises
+        GraphCacheMiss when it is missing or damaged."""
+        import pickle
+
+        path = self.lookup(GRAPH_ENTRY, GRAPH_TAG)
+        if path is None:
+            raise GraphCacheMiss(f"{GRAPH_ENTRY} is missing or damaged in {self.directory}")
+        with open(path, "rb") as f:
+            record = pickle.load(f)
+        if not isinstance(record, dict):
+            raise GraphCacheMiss(f"{GRAPH_ENTRY} holds a {type(record).__name__}")
+        return record
+
+    def store_graph(self, record: dict[str, Any]) -> None:
+        """Save the traced-graph record, and file `traced_files` in the index so that a
+        later start finds this entry before tracing; a failure is logged."""
+        import pickle
+
+        data = pickle.dumps(record)
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                f.write(data)
+
+        try:
+            self.store(GRAPH_ENTRY, GRAPH_TAG, write)
+            if self.index_path is not None:
+                atomic_write(self.index_path, json.dumps({"traced_files": self.traced_files}))
+        except Exception as e:
+            logger.warning("compile cache: could not save %s: %s", GRAPH_ENTRY, e)
+            return
+        compilation_counter.num_graphs_saved += 1
 
     def record(self, name: str, hit: bool) -> None:
         (self.hits if hit else self.misses).append(name)
@@ -400,3 +470,8 @@ class CompileCache:
                     self.graph_loaded else "artifacts loaded, Inductor")
             logger.info("compile cache: hit (%d %s not run) in %s", len(self.hits), what,
                         self.directory)
+
+
+def _light_entry(name: str) -> str:
+    """The light entry of piece entry `name` (`piece_2.range_1_2048.bin`)."""
+    return name.removesuffix(".bin") + ".light.json"

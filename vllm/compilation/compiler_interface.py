@@ -269,7 +269,7 @@ def prepare_inductor(vllm_config: VllmConfig | None = None) -> None:
         _inductor_prepared = True
         memo_dir = None
         if vllm_config is not None:
-            from vllm.compilation.cache import cache_disabled_reason, cache_root
+            from vllm.compilation.cache_key import cache_disabled_reason, cache_root
 
             if cache_disabled_reason(vllm_config) is None:
                 memo_dir = cache_root(vllm_config)

@@ -1,7 +1,8 @@
 """Warm starts without Dynamo: the traced graph saved in the compile cache next to the pieces.
 
-After the first forward of a compile with the cache on, `save_graph` writes `graph.pkl` into
-the compile-cache entry directory (checksummed in its manifest like the pieces):
+After the first forward of a compile with the cache on, `runner_after_trace` saves the
+traced-graph record with `CompileCache.store_graph` (`graph.pkl` in the entry directory,
+checksummed in its manifest like the pieces):
   split_module   the split GraphModule with its splitting submodules (pickled as FX code)
                  and a placeholder for each compiled piece
   piece_modules  each compiled piece's graph, pickled apart (FX re-traces a graph it
@@ -15,22 +16,26 @@ the compile-cache entry directory (checksummed in its manifest like the pieces):
   stable_meta    dtype, shape and device of each weight and buffer the graph takes
   pieces         per compiled piece: where the token count is, its compile ranges and their
                  cache keys, the digest of its graph (for static compile sizes)
-and, under `<cache root>/graph_index/`, the files Dynamo traced, filed under the key made
-without them (the only part of the entry's key a start cannot compute before tracing).
+and the compile cache files the traced files in its index (the only part of the entry's key
+a start cannot compute before tracing: `CompileCache.find_saved_graph`).
 
 A later start with the same key (`load_graph`, on the first forward) rebuilds the runnable
-from that, with no torch.compile at all: the compiled pieces come from the cache as on the
-Dynamo path, and a `CachedGraphRunner` (graph_runner.py) computes the graph's inputs from the
-forward's arguments on every call and checks what Dynamo's guards would have (a call it does
-not serve falls back to Dynamo, with a warning). Anything missing, damaged or not evaluable
+from that, with no torch.compile at all: the compiled pieces come from the cache through the
+backend's one piece path (`VllmBackend.compile_piece`, load only), and a `CachedGraphRunner`
+(graph_runner.py) computes the graph's inputs from the forward's arguments on every call and
+checks what Dynamo's guards would have (a call it does not serve falls back to Dynamo, with
+a warning). Anything missing, damaged or not evaluable
 is logged in one line and the start traces with Dynamo as before (its compiles still come
 from the cache, and the graph is saved again). Side effects a forward has beyond its return
 value (setting attributes) are not replayed: forwards must not have any.
+
+Why not torch's own mechanism: torch 2.13's AOT compile (`torch.compiler.
+load_compiled_function`) saves Dynamo's output with its guards, but loading it imports Dynamo
+(and its compiled pieces Inductor): 1.4-3.4 s that a warm start skips (see
+benchmarks/results/warm_start_fold.md); the saved graph is plain data and FX pickles instead.
 """
 from __future__ import annotations
 
-import json
-import os
 import pickle
 import time
 from collections.abc import Callable
@@ -38,14 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm.compilation.cache import (
-    CompileCache,
-    _files_hash,
-    cache_disabled_reason,
-    cache_root,
-    compute_cache_factors,
-    compute_cache_key,
-)
+from vllm.compilation.cache import GRAPH_ENTRY, CompileCache, cache_disabled_reason
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.graph_runner import (  # noqa: F401 (re-exported)
     CachedGraphRunner,
@@ -65,33 +63,44 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-GRAPH_ENTRY = "graph.pkl"
-GRAPH_TAG = "traced-graph"  # the entry's "graph_hash" in the manifest
+__all__ = ["GRAPH_ENTRY", "CachedGraphRunner", "GraphCacheMiss", "GraphCapture",
+           "GuardMismatch", "capture_graph", "load_graph", "runner_after_trace"]
+
 _FORMAT = 2  # 2: the compiled pieces' graphs pickled apart
 
 
 # ---- saving ------------------------------------------------------------------------------
-class FirstOutputRecorder:
-    """What Dynamo calls: the split module, keeping the graph outputs of the first call (for
-    mapping the forward's return value onto them when the traced graph is saved)."""
+class GraphCapture:
+    """Taken at split time, for serving calls without Dynamo and saving the traced graph:
+    the Dynamo graph's input sources and kinds, the split module pickled before its pieces
+    replace the submodules (`split_pickle`, when it is to be saved), and the graph outputs of
+    the first call (for mapping the forward's return value onto them)."""
 
-    def __init__(self, forward: Callable) -> None:
-        self.forward = forward
+    def __init__(self, sources: list[str], kinds: list[str],
+                 split_pickle: dict[str, Any] | None) -> None:
+        self.sources, self.kinds, self.split_pickle = sources, kinds, split_pickle
+        self.forward: Callable | None = None
         self.outputs: Any = None
-        self.recording = True
+        self._recording = False
 
-    def __call__(self, *args: Any) -> Any:
-        out = self.forward(*args)
-        if self.recording:
-            self.outputs, self.recording = out, False
-        return out
+    def record_first_outputs(self, forward: Callable) -> Callable:
+        """What Dynamo calls: `forward` (the split module), keeping its first outputs."""
+        self.forward, self._recording = forward, True
+
+        def call(*args: Any) -> Any:
+            out = forward(*args)
+            if self._recording:
+                self.outputs, self._recording = out, False
+            return out
+
+        return call
 
 
-def capture_graph(backend: VllmBackend, gm: torch.fx.GraphModule,
-                  split_gm: torch.fx.GraphModule) -> None:
+def capture_graph(gm: torch.fx.GraphModule, split_gm: torch.fx.GraphModule,
+                  items: list[SplitItem], save: bool) -> GraphCapture | None:
     """At split time (before the pieces replace the submodules): the Dynamo graph's input
-    sources and kinds, and, with the compile cache on, the split module pickled. Leaves the
-    sources unset when not possible (then Dynamo serves every call)."""
+    sources and kinds, and, when the graph is to be saved (`save`: the compile cache is on),
+    the split module pickled. None when not possible (then Dynamo serves every call)."""
     sources, kinds = [], []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -102,18 +111,18 @@ def capture_graph(backend: VllmBackend, gm: torch.fx.GraphModule,
         if not isinstance(name, str):
             logger.info("the traced graph's input %s has no source: calls keep going through "
                         "Dynamo and the graph is not saved", node.name)
-            return
+            return None
         sources.append(name)
         value = node.meta.get("example_value")
         kinds.append("tensor" if isinstance(value, torch.Tensor) else "int")
-    backend.graph_sources, backend.graph_kinds = sources, kinds
-    if backend.cache is None:
-        return
-    try:
-        backend.split_pickle = _pickle_split_module(split_gm, backend.pieces)
-    except Exception as e:
-        logger.info("compile cache: the traced graph will not be saved (the split module "
-                    "does not pickle: %s: %s)", type(e).__name__, e)
+    split_pickle = None
+    if save:
+        try:
+            split_pickle = _pickle_split_module(split_gm, items)
+        except Exception as e:
+            logger.info("compile cache: the traced graph will not be saved (the split module "
+                        "does not pickle: %s: %s)", type(e).__name__, e)
+    return GraphCapture(sources, kinds, split_pickle)
 
 
 def _pickle_split_module(split_gm: torch.fx.GraphModule, items: list[SplitItem]
@@ -145,12 +154,13 @@ def runner_after_trace(backend: VllmBackend, model: Any, signature: Any, forward
     can change (argument dtypes and dims, constants, weights still in place; graph_runner.py),
     as on a warm start. None (logged) when the graph's inputs cannot be computed without
     Dynamo: then Dynamo keeps serving."""
-    recorder = backend.output_recorder
-    if recorder is None:
+    capture = backend.capture
+    if capture is None or capture.forward is None:
         return None
-    graph_outputs, recorder.outputs = recorder.outputs, None
+    graph_outputs, capture.outputs = capture.outputs, None
     try:
-        record = _make_record(backend, model, signature, bound, output, graph_outputs)
+        record = _make_record(backend, capture, model, signature, bound, output,
+                              graph_outputs)
         # The sources must evaluate now as they will at load (the weights' shapes, dtypes and
         # devices are kept, to be checked there).
         runner = CachedGraphRunner(model, signature, record, forward.__globals__)
@@ -162,40 +172,23 @@ def runner_after_trace(backend: VllmBackend, model: Any, signature: Any, forward
         logger.info("the traced graph's inputs cannot be computed without Dynamo (%s): calls "
                     "keep going through Dynamo and warm starts trace again", e)
         return None
-    runner.forward = recorder.forward
-    if backend.cache is not None and backend.split_pickle is not None:
+    runner.forward = capture.forward
+    if backend.cache is not None and capture.split_pickle is not None:
         try:  # FX re-traces their code: they must load back
-            pickle.loads(backend.split_pickle["split_module"])
-            for data in backend.split_pickle["piece_modules"].values():
+            pickle.loads(capture.split_pickle["split_module"])
+            for data in capture.split_pickle["piece_modules"].values():
                 pickle.loads(data)
         except Exception as e:
             logger.info("compile cache: the traced graph is not saved (the split module does "
                         "not load back: %s: %s); warm starts will trace with Dynamo",
                         type(e).__name__, e)
         else:
-            _save(backend, record)
+            backend.cache.store_graph(record)
     return runner
 
 
-def _save(backend: VllmBackend, record: dict[str, Any]) -> None:
-    data = pickle.dumps(record)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-
-    assert backend.cache is not None
-    try:
-        backend.cache.store(GRAPH_ENTRY, GRAPH_TAG, write)
-        _write_index(backend, backend.traced_files)
-    except Exception as e:
-        logger.warning("compile cache: could not save %s: %s", GRAPH_ENTRY, e)
-        return
-    compilation_counter.num_graphs_saved += 1
-
-
-def _make_record(backend: VllmBackend, model: Any, signature: Any, bound: Any, output: Any,
-                 graph_outputs: Any) -> dict[str, Any]:
+def _make_record(backend: VllmBackend, capture: GraphCapture, model: Any, signature: Any,
+                 bound: Any, output: Any, graph_outputs: Any) -> dict[str, Any]:
     params = list(signature.parameters.values())
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         raise ValueError("the forward takes *args or **kwargs")
@@ -216,9 +209,9 @@ def _make_record(backend: VllmBackend, model: Any, signature: Any, bound: Any, o
               **({} if item.is_splitting else {"piece": pieces[item.index]})}
              for item in backend.pieces]
     return {"format": _FORMAT, "model": _class_name(model), "self": params[0].name,
-            "args": args, "sources": backend.graph_sources, "kinds": backend.graph_kinds,
+            "args": args, "sources": capture.sources, "kinds": capture.kinds,
             "output": _output_spec(output, graph_outputs), "items": items,
-            **(backend.split_pickle or {})}
+            **(capture.split_pickle or {})}
 
 
 def _output_spec(value: Any, graph_outputs: Any) -> list[Any]:
@@ -236,25 +229,6 @@ def _output_spec(value: Any, graph_outputs: Any) -> list[Any]:
 
 def _class_name(model: Any) -> str:
     return f"{type(model).__module__}.{type(model).__qualname__}"
-
-
-def _index_path(backend: VllmBackend) -> tuple[str, dict[str, str]]:
-    """Where the traced-file list lives: keyed by the entry key's factors without them."""
-    factors = compute_cache_factors(backend.vllm_config, backend.model_source_files,
-                                    backend.pass_manager.uuid())
-    key = compute_cache_key(factors)
-    path = os.path.join(cache_root(backend.vllm_config), "graph_index",
-                        f"{key[:16]}.rank_{backend.rank}.json")
-    return path, factors
-
-
-def _write_index(backend: VllmBackend, traced_files: list[str]) -> None:
-    path, _ = _index_path(backend)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"traced_files": traced_files}, f)
-    os.replace(tmp, path)
 
 
 # ---- loading -----------------------------------------------------------------------------
@@ -295,23 +269,9 @@ def load_graph(backend: VllmBackend, model: Any, signature: Any, forward: Callab
 
 def _load(backend: VllmBackend, model: Any, signature: Any, forward: Callable,
           bound: Any) -> CachedGraphRunner:
-    index, factors = _index_path(backend)
-    try:
-        with open(index) as f:
-            traced = list(json.load(f)["traced_files"])
-    except FileNotFoundError:
-        raise GraphCacheMiss("none saved for this model and config yet") from None
-    factors = {**factors, "model_source": _files_hash(backend.model_source_files + traced)}
-    directory = os.path.join(cache_root(backend.vllm_config), compute_cache_key(factors)[:10],
-                             f"rank_{backend.rank}")
-    if not os.path.isdir(directory):
-        raise GraphCacheMiss("no cache entry for the current source of the traced files")
-    cache = CompileCache(directory, factors)
-    path = cache.lookup(GRAPH_ENTRY, GRAPH_TAG)
-    if path is None:
-        raise GraphCacheMiss(f"{GRAPH_ENTRY} is missing or damaged in {directory}")
-    with open(path, "rb") as f:
-        record = pickle.load(f)
+    cache = CompileCache.find_saved_graph(backend.vllm_config, backend.model_source_files,
+                                          backend.pass_manager.uuid(), backend.rank)
+    record = cache.load_graph()
     if record.get("format") != _FORMAT or record.get("model") != _class_name(model):
         raise GraphCacheMiss(f"{GRAPH_ENTRY} was saved for another format or model class")
     names = [p.name for p in signature.parameters.values()]
@@ -325,17 +285,16 @@ def _load(backend: VllmBackend, model: Any, signature: Any, forward: Callable,
                              + runner.explain(locals_))
     runner.resolve(locals_)  # raises GraphCacheMiss when a source does not evaluate
     # Check every piece entry before loading any (a missing one: trace, compile it alone).
-    first_of_key: dict[str, tuple[int, Any]] = {}
+    first_of_key: dict[str, tuple[int, Range]] = {}
     for item in record["items"]:
         for start, end, key in ([] if item["splitting"] else item["piece"]["ranges"]):
-            first_of_key.setdefault(key, (item["index"], (start, end)))
-    for key, (index, (start, end)) in first_of_key.items():
-        name = backend.piece_entry(index, Range(start, end))
+            first_of_key.setdefault(key, (item["index"], Range(start, end)))
+    for key, (index, compile_range) in first_of_key.items():
+        name = cache.piece_entry(index, compile_range.tag)
         if cache.lookup(name, key) is None:
             raise GraphCacheMiss(f"compiled piece {name} is missing or damaged")
     split_gm = pickle.loads(record["split_module"])
-    backend.cache, backend.traced_files = cache, traced
-    logger.info("compile cache: using %s", directory)
+    backend.use_cache(cache)
     runner.forward = _restore(backend, split_gm, record["items"], record["piece_modules"])
     runner.build(locals_)  # the per-call sources evaluate too
     cache.graph_loaded = True
@@ -345,48 +304,20 @@ def _load(backend: VllmBackend, model: Any, signature: Any, forward: Callable,
 
 def _restore(backend: VllmBackend, split_gm: torch.fx.GraphModule,
              saved_items: list[dict[str, Any]], piece_modules: dict[str, bytes]) -> Callable:
-    """The runnable from the split module and its pieces' saved info, each compiled piece
-    loaded from the compile cache (its graph unpickled from `piece_modules` when needed)."""
+    """The runnable from the split module and its pieces' saved info: each compiled piece
+    loaded through the backend's piece path (its graph unpickled from `piece_modules` when a
+    size is compiled at run time)."""
     items = [SplitItem(i["index"], i["name"], i["splitting"], getattr(split_gm, i["name"]))
              for i in saved_items]
     info = {i["index"]: i.get("piece") for i in saved_items}
-    backend.split_gm, backend.pieces, backend.piece_backends = split_gm, items, []
 
     def make_piece(item: SplitItem) -> PiecewiseBackend:
         saved = info[item.index]
-        loaded = {Range(s, e): _load_piece(backend, item.index, Range(s, e), key)
+        loaded = {Range(s, e): backend.compile_piece(None, [], item.index, Range(s, e),
+                                                     saved["digest"], key=key)
                   for s, e, key in saved["ranges"]}
         data = piece_modules[item.name]
         return PiecewiseBackend.restore(lambda: pickle.loads(data), saved, backend, loaded)
 
     backend.install_pieces(split_gm, items, make_piece)
     return split_gm.forward
-
-
-def _load_piece(backend: VllmBackend, piece_index: int, compile_range: Range, key: str
-                ) -> Callable:
-    """One piece compile from the compile cache only (the caller checked that the entry is
-    there): shared like `VllmBackend.compile_piece`, counted as a backend compilation and a
-    cache hit. Raises when it cannot be loaded."""
-    cache = backend.cache
-    assert cache is not None
-    compilation_counter.num_backend_compilations += 1
-    tag = compile_range.tag
-    shared = backend.shared_runnable(key, piece_index, tag)
-    if shared is not None:
-        return shared
-    name = backend.piece_entry(piece_index, compile_range)
-    what = backend.piece_label(piece_index, compile_range)
-    with backend.cache_lock(what), \
-            backend.timer.phase("inductor compilation", piece=piece_index, range=tag,
-                                backend="inductor", cache="load failed") as details:
-        path = cache.lookup(name, key)
-        if path is None:
-            details["cache"] = "missing"
-            raise FileNotFoundError(f"{name} is missing or damaged")
-        with waiting(logger, f"Loading {what} from the compile cache", announce=False,
-                     done=f"Loaded {what} from the compile cache"):
-            artifact, details["cache"] = backend.load_cached_piece(name, key, path)
-    cache.record(name, hit=True)
-    backend.share(key, piece_index, artifact)
-    return artifact

@@ -18,13 +18,12 @@ from typing import Any
 
 import torch
 
+from vllm.compilation.cache import GraphCacheMiss
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-
-class GraphCacheMiss(Exception):
-    """The saved graph cannot be used; the message says why."""
+__all__ = ["CachedGraphRunner", "GraphCacheMiss", "GuardMismatch", "tensor_meta"]
 
 
 class GuardMismatch(Exception):

@@ -25,13 +25,21 @@ graph in the FX cache entry. Anything else raises `NotLight` (the piece keeps lo
 full way), as does output code using something this module does not know.
 
 In the compile cache the description is the piece entry's companion
-`<piece>.<range>.light.json` (`save_cached` / `load_cached`, checksummed like the piece).
+`<piece>.<range>.light.json`, checksummed like the piece: `CompileCache.load_piece` tries it
+first and `store_piece` writes it (cache.py).
+
+Why not torch's own mechanism: loading a standalone-compile artifact
+(`torch._inductor.CompiledArtifact.load`) or an AOT-compiled function
+(`torch.compiler.load_compiled_function`) imports Inductor or Dynamo (1.4-3.4 s measured in
+torch 2.13 on the dev machines), which is what this module exists to avoid. So `describe`
+reads the artifact through torch's cache classes (`AOTAutogradCache`, `FxGraphCache`: the
+parts of Inductor that are not public API), checks what it relies on, and raises `NotLight`
+for anything else; the piece then loads the full way, with torch's API.
 """
 from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import os
 import re
 import sys
@@ -41,8 +49,7 @@ from typing import Any
 
 import torch
 
-from vllm.compilation.cache import CompileCache, _sha256_file
-from vllm.compilation.counter import compilation_counter
+from vllm.compilation.cache_key import sha256_file
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -359,9 +366,10 @@ def _kernel_files(source: str, names: list[str], inductor_cache_dir: str, kernel
     output code (from its own cache: the piece was just loaded) and we read each kernel's
     module."""
     import shutil
-    import tempfile
 
     from torch._inductor.codecache import PyCodeCache
+
+    from vllm.utils.file_utils import atomic_path
 
     module = PyCodeCache.load(source)
     # A kernel module loaded earlier in this process may be one of our copies (Inductor
@@ -375,16 +383,15 @@ def _kernel_files(source: str, names: list[str], inductor_cache_dir: str, kernel
         path = os.path.realpath(getattr(ext, "__file__", None) or "")
         if not path.startswith(roots) or not callable(fn):
             raise NotLight(f"kernel {name} is not a built extension in the compile cache")
-        fd, tmp = tempfile.mkstemp(dir=kernel_dir, suffix=".tmp")
-        os.close(fd)
-        try:
-            shutil.copyfile(path, tmp)
-            digest = _sha256_file(tmp)
-            size = os.path.getsize(tmp)
-            os.replace(tmp, os.path.join(kernel_dir, f"{digest}.so"))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        digest = sha256_file(path)
+        final = os.path.join(kernel_dir, f"{digest}.so")
+        if not (os.path.isfile(final) and sha256_file(final) == digest):
+            with atomic_path(final) as tmp:
+                shutil.copyfile(path, tmp)
+                # Inductor may build the same kernel again meanwhile (another process).
+                if sha256_file(tmp) != digest:
+                    raise NotLight(f"kernel {name}'s file changed while it was copied")
+        size = os.path.getsize(final)
         kernels.append({"var": name, "module": ext.__name__, "attr": fn.__name__,
                         "file": f"{digest}.so", "size": size, "sha256": digest})
     return kernels
@@ -436,7 +443,7 @@ def load(record: dict[str, Any], kernel_dir: str, name: str = "piece") -> LightP
     kernels = {}
     for kernel in record["kernels"]:
         path = os.path.join(kernel_dir, kernel["file"])
-        if os.path.getsize(path) != kernel["size"] or _sha256_file(path) != kernel["sha256"]:
+        if os.path.getsize(path) != kernel["size"] or sha256_file(path) != kernel["sha256"]:
             raise DamagedKernel(f"kernel file {path} is damaged (size or checksum)")
         kernels[kernel["var"]] = getattr(_extension(kernel["module"], path), kernel["attr"])
     align_bytes = record["align_bytes"]
@@ -471,59 +478,3 @@ def _resolve_extern(path: list[str]) -> Any:
         return getattr(torch, path[1])
     _, namespace, op, overload = path
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
-
-
-# ---- in the compile cache ------------------------------------------------------------------
-def entry_name(name: str) -> str:
-    """The light entry of piece entry `name` (`piece_2.range_1_2048.bin`)."""
-    return name.removesuffix(".bin") + ".light.json"
-
-
-def load_cached(cache: CompileCache, name: str, key: str) -> LightPiece | None:
-    """Piece entry `name` run without importing Inductor, from its light entry; None when
-    there is none or it does not load (logged; the light entry is dropped, and the piece,
-    loaded the full way, writes it again)."""
-    light_name = entry_name(name)
-    path = cache.lookup(light_name, key)
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            record = json.load(f)
-        piece = load(record, cache.light_kernel_dir, name.removesuffix(".bin"))
-    except DamagedKernel as e:
-        logger.warning("compile cache: %s: %s; loading the piece with Inductor", light_name, e)
-        compilation_counter.num_cache_corrupt += 1
-        cache.remove(light_name)
-        return None
-    except Exception as e:
-        logger.info("compile cache: %s not used (%s: %s); loading the piece with Inductor",
-                    light_name, type(e).__name__, e)
-        cache.remove(light_name)
-        return None
-    compilation_counter.num_light_loads += 1
-    return piece
-
-
-def save_cached(cache: CompileCache, name: str, key: str, artifact_path: str) -> None:
-    """Write the light entry of piece entry `name` (just compiled or loaded the full way, its
-    artifact at `artifact_path`) when the piece can run without Inductor."""
-    try:
-        record = describe(artifact_path, cache.inductor_cache_dir, cache.light_kernel_dir)
-    except NotLight as e:
-        logger.debug("%s needs Inductor at every start: %s", name, e)
-        return
-    except Exception as e:
-        logger.info("compile cache: %s not described for loading without Inductor (%s: %s)",
-                    name, type(e).__name__, e)
-        return
-    text = json.dumps(record)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-
-    try:
-        cache.store(entry_name(name), key, write, count=False)
-    except Exception as e:
-        logger.warning("compile cache: could not save %s: %s", entry_name(name), e)

@@ -45,7 +45,7 @@ def _fingerprint() -> dict[str, Any]:
     import torch
     from torch._inductor import config
 
-    from vllm.compilation.cache import _cpu_flags
+    from vllm.compilation.cache_key import cpu_fingerprint
 
     cxx = config.cpp.cxx
     compiler = None
@@ -57,7 +57,7 @@ def _fingerprint() -> dict[str, Any]:
             compiler = f"{real}:{stat.st_size}:{int(stat.st_mtime)}"
             break
     env = {k: os.environ.get(k) for k in ("CXX", "CPATH", "LD_LIBRARY_PATH")}
-    return {"torch": torch.__version__, "python": sys.executable, "cpu": _cpu_flags(),
+    return {"torch": torch.__version__, "python": sys.executable, "cpu": cpu_fingerprint(),
             "compiler": compiler, "env": env}
 
 
@@ -109,13 +109,10 @@ def _read_entries(path: str, fingerprint: Any, field: str, kind: type) -> dict[s
 
 
 def _write_json(directory: str, name: str, data: dict[str, Any]) -> None:
+    from vllm.utils.file_utils import atomic_write
+
     try:
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, name)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
+        atomic_write(os.path.join(directory, name), json.dumps(data, indent=1))
     except OSError as e:
         logger.debug("could not save %s: %s", name, e)
 
