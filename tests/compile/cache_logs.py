@@ -17,8 +17,11 @@ def child_env(tmp_path, extra: dict | None = None) -> dict:
 
 
 def cache_dir_in(log: str) -> str:
-    """The entry directory from the "compile cache: using <dir>" line."""
-    return log.split("compile cache: using ", 1)[1].split()[0]
+    """The entry directory from rank 0's "compile cache: using <dir>" line (the other
+    tensor-parallel ranks' lines, "(TP rank=1 ...) ...", come in any order with it)."""
+    lines = [line for line in log.splitlines() if "compile cache: using " in line]
+    line = next((x for x in lines if "(TP rank=" not in x), lines[0])
+    return line.split("compile cache: using ", 1)[1].split()[0]
 
 
 def same_key_or_skip(first: str, later: str) -> None:

@@ -21,6 +21,15 @@ processes under the compile-cache root (both were on the path of every warm star
   fingerprint; a later start returns it while the precompiled file is still there.
 
 None is used with the compile cache off (no directory).
+
+Why patch Inductor rather than set its options: torch 2.13 has no hook for either answer.
+`config.cpp.vec_isa_ok` would skip the probe only as "every ISA the CPU lists builds", and,
+being an Inductor option, it is part of Inductor's cache keys (a warm start would miss the
+cold start's FX-graph entries); the header check has no option at all. So `pick_vec_isa`
+wraps `VecISA.check_build` for the one call and `memoize_precompiled_header` replaces
+`codecache._precompile_header` (both still run Inductor's own code for an unknown answer).
+Only a full Inductor load or compile gets here: a warm start whose pieces load without
+Inductor (inductor_light.py) never imports it.
 """
 from __future__ import annotations
 
