@@ -27,7 +27,6 @@ from vllm.compilation.compiler_interface import graph_hash, make_compiler
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.compilation.debug_dump import CompilationStageError, DebugDumper
-from vllm.compilation.monitor import get_startup_timer
 from vllm.compilation.passes.pass_manager import PostGradPassManager
 from vllm.compilation.piecewise_backend import PiecewiseBackend
 from vllm.compilation.split import SplitItem, eager_runnable, op_names, split_graph  # noqa: F401
@@ -35,6 +34,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.config.utils import Range, compile_ranges
 from vllm.logger import init_logger
 from vllm.utils.progress import waiting
+from vllm.utils.startup_timer import get_startup_timer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

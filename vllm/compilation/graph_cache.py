@@ -51,12 +51,12 @@ from vllm.compilation.graph_runner import (  # noqa: F401 (re-exported)
     GuardMismatch,
     tensor_meta,
 )
-from vllm.compilation.monitor import CPU_KERNEL_BUILD, get_startup_timer
 from vllm.compilation.piecewise_backend import PiecewiseBackend
 from vllm.compilation.split import SplitItem
 from vllm.config.utils import Range
 from vllm.logger import init_logger
 from vllm.utils.progress import waiting
+from vllm.utils.startup_timer import CPU_KERNEL_BUILD, get_startup_timer
 
 if TYPE_CHECKING:
     from vllm.compilation.backends import VllmBackend
