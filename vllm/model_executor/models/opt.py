@@ -31,7 +31,6 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
-    default_weight_loader,
     divide,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -39,7 +38,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.models.llama import maybe_prefix
+from vllm.model_executor.models.llama import LlamaForCausalLM, maybe_prefix
 
 # OPTLearnedPositionalEmbedding looks up position + 2 (rows 0 and 1 are never used).
 POSITION_OFFSET = 2
@@ -205,19 +204,6 @@ class OPTForCausalLM(nn.Module):
             loaded.add(key)
         return loaded
 
-    def _load_one(self, name: str, tensor: torch.Tensor,
-                  params: dict[str, nn.Parameter]) -> str | None:
-        for param_part, ckpt_part, shard_id in self.stacked_params_mapping:
-            if ckpt_part not in name:
-                continue
-            param_name = name.replace(ckpt_part, param_part)
-            param = params.get(param_name)
-            if param is None:
-                return None
-            param.weight_loader(param, tensor, shard_id)
-            return f"{param_name}:{shard_id}"
-        param = params.get(name)
-        if param is None:
-            return None
-        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        return name
+    # One checkpoint tensor: Llama's packed (q/k/v -> qkv_proj) or plain loading; no experts.
+    _load_one = LlamaForCausalLM._load_one
+    _load_expert_weight = LlamaForCausalLM._load_expert_weight
