@@ -4,7 +4,8 @@ piecewise compilation). A case is a `MAKERS` family with config overrides chosen
 what TP must split or replicate: GPT-2's fused Conv1D q|k|v, OPT's project_in/out with
 post-LN, Gemma 2/3's soft-caps, windows shorter than prompt "a" and per-head q/k norms with
 random norm weights, Phi-3's fused qkv/gate_up with LongRoPE or one replicated KV head, the
-MoE families' experts with a dense middle layer. Add a case to `CASES` to cover a family."""
+MoE families' experts with a dense middle layer; Llama and Mixtral as they are. Add a case to
+`CASES` to cover a family. Without a process group, TP > 1 is a clear error."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,8 @@ _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
              "original_max_position_embeddings": 8}
 # case -> (MAKERS family, config overrides)
 CASES: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "mixtral": ("mixtral", {}),
     "gpt2": ("gpt2", {}),
     "opt-proj-postln": ("opt", {"word_embed_proj_dim": 32, "do_layer_norm_before": False}),
     "gemma2": ("gemma2", {}),
@@ -143,3 +146,8 @@ def test_forward_is_one_graph_with_one_attention_op_per_layer(family, checkpoint
              if node.target in (attention, attention.default)]
     assert len(calls) == config.model_config.get_num_layers() == \
         CASES[family][1].get("num_hidden_layers", 2)
+
+
+def test_tensor_parallel_size_without_group_is_an_error(checkpoint):
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        get_model(vllm_config(checkpoint("llama"), tp=2))

@@ -34,6 +34,7 @@ from vllm.model_executor.layers.rotary_embedding import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama import (
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     config_sliding_window,
@@ -192,18 +193,10 @@ class GemmaDecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's output before its residual add, the residual stream): the
-        next layer's first norm (or the final norm) adds them."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    # Llama's order exactly: returns (this layer's output before its residual add, the
+    # residual stream); the next layer's first norm (or the final norm) adds them.
+    forward = LlamaDecoderLayer.forward
+    _mlp = LlamaDecoderLayer._mlp
 
 
 @support_torch_compile
