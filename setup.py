@@ -39,6 +39,7 @@ setup(
         "test": ["pytest", "pytest-xdist", "hypothesis", "hypothesis-jsonschema", "openai", "ruff",
                  "matplotlib"],
         "cuda": ["triton"],
+        "bench": ["llama-cpp-python", "gguf"],
     },
     entry_points={"console_scripts": ["vllm=vllm.entrypoints.cli.main:main"]},
 )

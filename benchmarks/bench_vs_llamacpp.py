@@ -1,0 +1,613 @@
+"""Our engine against llama.cpp (through llama-cpp-python) on the same weights, side by side.
+
+For each shape (the 50M Llama and the Qwen2.5-0.5B shape of benchmarks/checkpoints.py, random
+weights) and each dtype (float32, bfloat16), a Hugging Face checkpoint is written and converted
+to GGUF (benchmarks/gguf_convert.py), and five engines are measured, each case in a fresh
+process, the engines taking turns round after round (the order rotates each round) so that
+they see the same machine state; every figure is the median over the rounds:
+
+- transformers (PyTorch eager, its default attention) `generate`;
+- llama.cpp through llama-cpp-python's C API: one context, `n_threads` = ours, `n_batch`
+  sized for the whole prompt, llama.cpp's default flash-attention setting, greedy sampler;
+- ours at -O0, -O2, -O3 (`vllm.LLM(optimization_level=...)`, weights prepacked before timing).
+
+Workloads: batch-1 decode tokens/s (128 new tokens after a 32-token prompt, greedy, EOS
+ignored; (tokens - 1) over first output token to last), and batch 16 x 128-token prompts,
+total output tokens/s with the prefill included (llama.cpp: the 16 sequences share one
+llama_batch, n_seq_max=16, prefilled together, then one token per sequence per decode call).
+The machine's read bandwidth is measured in the same run (a >1 GiB float32 sum with the same
+thread count, best of 5, once per round); batch-1 decode is also given as the weight-read rate
+(weight bytes read per token x tokens/s) in % of that bandwidth. The first greedy tokens of
+every engine are checked against transformers' (a sanity check of the GGUF conversion).
+
+    pip install -e '.[bench]'
+    python benchmarks/bench_vs_llamacpp.py            # full run (see --help), results/vs_llamacpp.*
+    python benchmarks/bench_vs_llamacpp.py --quick    # smoke run, results/vs_llamacpp_quick.*
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+_RESULT = "VS_LLAMACPP_RESULT "
+ENGINES = ("hf", "llamacpp", "O0", "O2", "O3")
+LABELS = {"hf": "transformers eager", "llamacpp": "llama.cpp", "O0": "ours -O0",
+          "O2": "ours -O2", "O3": "ours -O3"}
+SHAPE_LABELS = {"llama-50m": "50M Llama (hidden 512, 8 layers, vocab 32000)",
+                "qwen2.5-0.5b": "Qwen2.5-0.5B shape"}
+CHECK_TOKENS = 8  # leading greedy tokens compared across engines
+
+
+def prompt_ids(batch: int, length: int, vocab: int) -> list[list[int]]:
+    """Deterministic prompts of `length` token ids each."""
+    return [[(7 * i + 13 * j) % (vocab - 10) + 5 for j in range(length)] for i in range(batch)]
+
+
+# ---------------------------------------------------------------------------------------------
+# workers (each runs in a fresh process and prints one RESULT line)
+
+
+def run_hf(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.path, dtype=getattr(torch, args.dtype))
+    model.eval()
+    vocab = model.config.vocab_size
+
+    class FirstToken:
+        """A generate() streamer noting when the first new tokens arrive (its first put() is
+        the prompt)."""
+
+        def __init__(self) -> None:
+            self.puts, self.first = 0, None
+
+        def put(self, value) -> None:
+            self.puts += 1
+            if self.puts == 2:
+                self.first = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    def timed(batch: int, length: int, n: int) -> dict:
+        ids = torch.tensor(prompt_ids(batch, length, vocab))
+        streamer = FirstToken()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 streamer=streamer)
+        end = time.perf_counter()
+        assert out.shape == (batch, length + n), out.shape
+        return {"start": start, "first": streamer.first, "end": end,
+                "tokens": out[0, length:].tolist()}
+
+    return measure(args, timed)
+
+
+def run_ours(args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = LLM(model=args.path, dtype=args.dtype, optimization_level=int(args.worker[1:]),
+              max_model_len=max(512, args.prompt_len + args.max_tokens,
+                                args.b16_prompt_len + args.b16_max_tokens),
+              kv_cache_memory="2GiB", max_num_seqs=max(16, args.batch16))
+    try:  # -O2/-O3 on CPU prepack their weights in the background after ready
+        from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
+
+        wait_for_prepacking()
+    except ImportError:
+        pass
+    engine = llm.llm_engine
+    vocab = engine.vllm_config.model_config.get_vocab_size()
+    counter = iter(range(1 << 30))
+
+    def timed(batch: int, length: int, n: int) -> dict:
+        # FINAL_ONLY, as LLM.generate asks; the scheduler tells when every request has its
+        # first token.
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.reset_prefix_cache()  # the same prefill work every time, not cache hits
+        ids = [f"vs-{next(counter)}" for _ in range(batch)]
+        start = time.perf_counter()
+        for request_id, p in zip(ids, prompt_ids(batch, length, vocab)):
+            engine.add_request(request_id, {"prompt_token_ids": p}, params)
+        scheduled = engine.scheduler.requests
+        first, done = None, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if first is None and all(r in done or scheduled[r].num_output_tokens > 0
+                                     for r in ids):
+                first = time.perf_counter()
+        end = time.perf_counter()
+        assert len(done) == batch and all(len(o.outputs[0].token_ids) == n
+                                          for o in done.values())
+        return {"start": start, "first": first, "end": end,
+                "tokens": list(done[ids[0]].outputs[0].token_ids)}
+
+    return measure(args, timed)
+
+
+def run_llamacpp(args) -> dict:
+    import llama_cpp as lc
+    import numpy as np
+
+    lc.llama_backend_init()
+    mparams = lc.llama_model_default_params()
+    model = lc.llama_model_load_from_file(args.gguf.encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {args.gguf}")
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    contexts: dict[int, tuple] = {}
+
+    def context(n_seq: int, length: int, n: int) -> tuple:
+        """A context (and batch) for n_seq sequences of `length` + `n` tokens, made once per
+        workload: n_batch holds the whole prompt, n_seq_max = n_seq."""
+        if n_seq not in contexts:
+            cparams = lc.llama_context_default_params()
+            cparams.n_ctx = n_seq * (length + n + 64)
+            cparams.n_batch = n_seq * length
+            cparams.n_ubatch = min(cparams.n_batch, 512)
+            cparams.n_seq_max = n_seq
+            cparams.n_threads = cparams.n_threads_batch = args.threads
+            cparams.no_perf = True
+            ctx = lc.llama_init_from_model(model, cparams)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp could not create a context for {n_seq} sequences")
+            contexts[n_seq] = (ctx, lc.llama_batch_init(max(cparams.n_batch, n_seq), 0, 1),
+                               cparams)
+        return contexts[n_seq]
+
+    sampler = lc.llama_sampler_init_greedy()
+
+    def decode(ctx, batch, entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) entries."""
+        for i, (tok, pos, seq, logits) in enumerate(entries):
+            batch.token[i] = tok
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
+        batch.n_tokens = len(entries)
+        rc = lc.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def timed(nseq: int, length: int, n: int) -> dict:
+        ctx, batch, _ = context(nseq, length, max(n, args.max_tokens, args.b16_max_tokens))
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        prompts = prompt_ids(nseq, length, vocab)
+        start = time.perf_counter()
+        decode(ctx, batch, [(t, j, s, j == length - 1) for s, p in enumerate(prompts)
+                for j, t in enumerate(p)])
+        # the outputs are numbered in batch order: sequence s's is the s-th
+        last = [lc.llama_sampler_sample(sampler, ctx, s) for s in range(nseq)]
+        first = time.perf_counter()
+        out = [[t] for t in last]
+        for step in range(1, n):
+            decode(ctx, batch, [(last[s], length + step - 1, s, True) for s in range(nseq)])
+            last = [lc.llama_sampler_sample(sampler, ctx, s) for s in range(nseq)]
+            for s in range(nseq):
+                out[s].append(last[s])
+        end = time.perf_counter()
+        return {"start": start, "first": first, "end": end, "tokens": out[0]}
+
+    result = measure(args, timed)
+    if args.logits_out:  # the last prompt position's logits, for the round-trip test
+        ctx, batch, _ = context(1, args.prompt_len, args.max_tokens)
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        p = prompt_ids(1, args.prompt_len, vocab)[0]
+        decode(ctx, batch, [(t, j, 0, j == len(p) - 1) for j, t in enumerate(p)])
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(vocab,))
+        np.save(args.logits_out, logits.copy())
+    result["system_info"] = lc.llama_print_system_info().decode(errors="replace")
+    result["flash_attn_type"] = int(lc.llama_context_default_params().flash_attn_type)
+    result["llama_cpp_python"] = getattr(lc, "__version__", "?")
+    lc.llama_sampler_free(sampler)
+    for ctx, batch, _ in contexts.values():
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return result
+
+
+def measure(args, timed) -> dict:
+    """Warm up, then the timed batch-1 decode and (with --batch16) the batch-16 run."""
+    timed(1, args.prompt_len, min(4, args.max_tokens))
+    run = timed(1, args.prompt_len, args.max_tokens)
+    result = {"b1": {"decode_tok_s": (args.max_tokens - 1) / (run["end"] - run["first"]),
+                     "ttft_s": run["first"] - run["start"], "tokens": run["tokens"]}}
+    if args.batch16:
+        timed(args.batch16, args.b16_prompt_len, 2)
+        run = timed(args.batch16, args.b16_prompt_len, args.b16_max_tokens)
+        result["b16"] = {"total_tok_s": args.batch16 * args.b16_max_tokens
+                         / (run["end"] - run["start"]), "total_s": run["end"] - run["start"]}
+    return result
+
+
+def run_bandwidth(args) -> dict:
+    """Read bandwidth (GB/s): the best of 5 sums over a 1.5 GiB float32 array."""
+    import torch
+
+    x = torch.ones(3 * 2 ** 27)  # 1.5 GiB
+    best = 0.0
+    for _ in range(6):  # the first one also faults the pages in
+        start = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return {"read_gb_s": best}
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    run = {"hf": run_hf, "llamacpp": run_llamacpp, "bandwidth": run_bandwidth}.get(
+        args.worker, run_ours)
+    result = run(args)
+    result["process_s"] = time.perf_counter() - started
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(_RESULT + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+
+
+def isa_info() -> dict:
+    flags: set[str] = set()
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+                elif line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"]
+    present = [f for f in wanted if f in flags]
+    if "avx512f" in flags:
+        isa = "AVX-512" + (" + AVX512-BF16" if "avx512_bf16" in flags else "") + (
+            " + AMX" if "amx_tile" in flags else "")
+    elif "avx2" in flags:
+        isa = "AVX2" + (" + FMA" if "fma" in flags else "")
+    else:
+        isa = platform.machine()
+    return {"cpu": model, "isa": isa, "flags": present, "logical_cpus": os.cpu_count()}
+
+
+def write_bf16_copy(src: str, dst: str) -> str:
+    """A bfloat16 copy of the checkpoint folder `src` (weights cast, config dtype set)."""
+    import torch
+    from gguf_convert import load_state_dict
+    from safetensors.torch import save_file
+
+    if os.path.isfile(os.path.join(dst, "model.safetensors")):
+        return dst
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name.endswith((".json", ".txt", ".model")) and "safetensors" not in name:
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    for key in ("torch_dtype", "dtype"):
+        if key in config:
+            config[key] = "bfloat16"
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in load_state_dict(src).items()}
+    save_file(state, os.path.join(dst, "model.safetensors.tmp"), metadata={"format": "pt"})
+    os.replace(os.path.join(dst, "model.safetensors.tmp"), os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def prepare(shape: str, dtype: str, root: str) -> dict:
+    """The Hugging Face checkpoint and its GGUF for (shape, dtype), written once under root."""
+    from checkpoints import write_checkpoint
+    from gguf_convert import convert
+
+    path = write_checkpoint(shape, root)
+    if dtype == "bfloat16":
+        path = write_bf16_copy(path, os.path.join(root, shape + "-bf16"))
+    gguf_path = os.path.join(root, f"{shape}-{dtype}.gguf")
+    stamp = os.path.join(root, f"{shape}-{dtype}.gguf.src")
+    src = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    if not (os.path.isfile(gguf_path) and os.path.isfile(stamp)
+            and open(stamp).read() == repr(src)):
+        convert(path, gguf_path + ".tmp", dtype)
+        os.replace(gguf_path + ".tmp", gguf_path)
+        with open(stamp, "w") as f:
+            f.write(repr(src))
+    return {"path": path, "gguf": gguf_path, "weight_bytes": weight_bytes(path, dtype)}
+
+
+def weight_bytes(path: str, dtype: str) -> int:
+    """Weight bytes one decode step reads: every tensor but the input embedding table (only
+    indexed), which counts once when it is tied as the LM head; 1-D tensors as float32."""
+    from safetensors import safe_open
+
+    with open(os.path.join(path, "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    size = 2 if dtype == "bfloat16" else 4
+    total = 0
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        for name in names:
+            shape = f.get_slice(name).get_shape()
+            numel = 1
+            for d in shape:
+                numel *= d
+            if name == "model.embed_tokens.weight" and not (
+                    tied and "lm_head.weight" not in names):
+                continue
+            total += numel * (size if len(shape) >= 2 else 4)
+    return total
+
+
+def spawn(args, engine: str, case: dict | None = None, dtype: str = "float32",
+          batch16: bool = False) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--threads",
+           str(args.threads), "--dtype", dtype, "--prompt-len", str(args.prompt_len),
+           "--max-tokens", str(args.max_tokens), "--batch16", str(16 if batch16 else 0),
+           "--b16-prompt-len", str(args.b16_prompt_len), "--b16-max-tokens",
+           str(args.b16_max_tokens)]
+    if case:
+        cmd += ["--path", case["path"], "--gguf", case["gguf"]]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(args.threads),
+           "VLLM_CACHE_ROOT": os.path.join(args.ckpt_root, "vllm_cache"),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(args.ckpt_root, "vllm_cache", "inductor")}
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                             timeout=args.worker_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.worker_timeout} s"}
+    line = [x for x in out.stdout.splitlines() if x.startswith(_RESULT)]
+    if out.returncode != 0 or not line:
+        return {"error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
+    return json.loads(line[-1][len(_RESULT):])
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def leading_match(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: dict,
+              llama_info: dict) -> dict:
+    bw = median(bandwidths)
+    rows, checks = [], []
+    for (shape, dtype), case in cases.items():
+        for workload in (["b1", "b16"] if shape in args.batch16_shapes else ["b1"]):
+            key = "decode_tok_s" if workload == "b1" else "total_tok_s"
+            row = {"shape": shape, "dtype": dtype, "workload": workload,
+                   "weight_bytes": case["weight_bytes"], "engines": {}}
+            for engine in args.engines:
+                vals = [r[workload][key] for r in runs[(shape, dtype, engine)]
+                        if "error" not in r]
+                errors = [r["error"] for r in runs[(shape, dtype, engine)] if "error" in r]
+                med = median(vals)
+                entry = {"tok_s": med, "rounds": vals, "errors": errors}
+                if workload == "b1" and med is not None:
+                    entry["weight_read_gb_s"] = case["weight_bytes"] * med / 1e9
+                    entry["pct_of_bandwidth"] = 100 * entry["weight_read_gb_s"] / bw if bw else None
+                row["engines"][engine] = entry
+            ref = row["engines"].get("llamacpp", {}).get("tok_s")
+            for engine, entry in row["engines"].items():
+                entry["vs_llamacpp"] = (entry["tok_s"] / ref if ref and entry["tok_s"]
+                                        else None)
+            rows.append(row)
+        # greedy agreement: each engine's leading tokens against transformers' (first round)
+        first = {e: next((r["b1"]["tokens"] for r in runs[(shape, dtype, e)]
+                          if "error" not in r), None) for e in args.engines}
+        ref_engine = "hf" if first.get("hf") else "llamacpp"
+        ref = first.get(ref_engine)
+        if ref:
+            checks.append({"shape": shape, "dtype": dtype, "reference": ref_engine,
+                           "tokens": ref[:CHECK_TOKENS],
+                           "leading_match": {e: leading_match(t[:CHECK_TOKENS],
+                                                              ref[:CHECK_TOKENS])
+                                             for e, t in first.items() if t}})
+    return {"machine": machine, "bandwidth_gb_s": {"median": bw, "rounds": bandwidths},
+            "llama_cpp": llama_info, "threads": args.threads, "rounds": args.rounds,
+            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+            "batch16": {"prompt_len": args.b16_prompt_len, "max_tokens": args.b16_max_tokens,
+                        "shapes": args.batch16_shapes},
+            "engines": args.engines, "rows": rows, "greedy_check": checks}
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown(summary: dict) -> str:
+    m, bw = summary["machine"], summary["bandwidth_gb_s"]
+    engines = summary["engines"]
+    lines = [
+        "# Our engine against llama.cpp, same weights, one run",
+        "",
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, ISA {m['isa']} "
+        f"(flags: {' '.join(m['flags'])}); read bandwidth {fmt(bw['median'])} GB/s "
+        f"(median of {len(bw['rounds'])} readings in this run: "
+        f"{', '.join(fmt(b) for b in bw['rounds'])}; a 1.5 GiB float32 sum, "
+        f"{summary['threads']} threads, best of 5).",
+        f"llama.cpp: llama-cpp-python {summary['llama_cpp'].get('version', '?')}, "
+        f"flash_attn_type {summary['llama_cpp'].get('flash_attn_type', '?')} (llama.cpp's "
+        f"default), built for: {summary['llama_cpp'].get('system_info', '?').strip()}",
+        "",
+        f"{summary['threads']} threads for every engine; random-weight checkpoints; fresh "
+        f"process per engine and case; {summary['rounds']} interleaved rounds, medians. "
+        f"Batch 1: {summary['max_tokens']} new tokens after a {summary['prompt_len']}-token "
+        "prompt, greedy, EOS ignored, decode tok/s (first output token to last). Batch 16: "
+        f"16 x {summary['batch16']['prompt_len']}-token prompts, "
+        f"{summary['batch16']['max_tokens']} new tokens each, total output tok/s including "
+        "the prefill (llama.cpp: the 16 sequences in one llama_batch, n_seq_max=16).",
+        "",
+        "| model | dtype | workload | " + " | ".join(LABELS[e] for e in engines)
+        + (" | -O2 / llama.cpp |" if "O2" in engines and "llamacpp" in engines else " |"),
+        "|---|---|---|" + "---|" * len(engines)
+        + ("---|" if "O2" in engines and "llamacpp" in engines else ""),
+    ]
+    for r in summary["rows"]:
+        work = ("batch-1 decode tok/s" if r["workload"] == "b1" else
+                "batch-16 total output tok/s incl. prefill")
+        cells = [fmt(r["engines"][e]["tok_s"], ".2f") for e in engines]
+        line = (f"| {SHAPE_LABELS.get(r['shape'], r['shape'])} | {r['dtype']} | {work} | "
+                + " | ".join(cells) + " |")
+        if "O2" in engines and "llamacpp" in engines:
+            line += f" {fmt(r['engines']['O2']['vs_llamacpp'], '.2f')}x |"
+        lines.append(line)
+    lines += ["", "Batch-1 weight-read rate (weight bytes per token x decode tok/s), GB/s and "
+              "% of the measured read bandwidth:", "",
+              "| model | dtype | weight MB/token | "
+              + " | ".join(LABELS[e] for e in engines) + " |",
+              "|---|---|---|" + "---|" * len(engines)]
+    for r in summary["rows"]:
+        if r["workload"] != "b1":
+            continue
+        cells = []
+        for e in engines:
+            ent = r["engines"][e]
+            cells.append("n/a" if ent["tok_s"] is None else
+                         f"{ent['weight_read_gb_s']:.1f} ({fmt(ent['pct_of_bandwidth'], '.0f')}%)")
+        lines.append(f"| {SHAPE_LABELS.get(r['shape'], r['shape'])} | {r['dtype']} | "
+                     f"{r['weight_bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
+    lines += ["", f"Greedy check: how many of the first {CHECK_TOKENS} batch-1 tokens of each "
+              "engine equal the reference engine's (random weights give small logit margins, "
+              "so bfloat16 may part early; float32 should agree):", "",
+              "| model | dtype | reference | " + " | ".join(LABELS[e] for e in engines) + " |",
+              "|---|---|---|" + "---|" * len(engines)]
+    for c in summary["greedy_check"]:
+        lines.append(f"| {SHAPE_LABELS.get(c['shape'], c['shape'])} | {c['dtype']} | "
+                     f"{LABELS[c['reference']]} | "
+                     + " | ".join(str(c["leading_match"].get(e, "n/a")) for e in engines)
+                     + " |")
+    errors = [(r["shape"], r["dtype"], e, err) for r in summary["rows"]
+              for e, ent in r["engines"].items() for err in ent["errors"]]
+    if errors:
+        lines += ["", "Failed runs:", ""]
+        lines += [f"- {s} {d} {LABELS[e]}: {err.splitlines()[-1] if err else err}"
+                  for s, d, e, err in errors]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: the 50M Llama only, 1 round, 16 new tokens, batch 16 "
+                             "x 32-token prompts with 8 new tokens; results/vs_llamacpp_quick.*")
+    parser.add_argument("--shapes", nargs="+", default=["llama-50m", "qwen2.5-0.5b"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16"])
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--batch16-shapes", nargs="*", default=["llama-50m"],
+                        help="shapes that also run the batch-16 workload")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--b16-prompt-len", type=int, default=128)
+    parser.add_argument("--b16-max-tokens", type=int, default=128)
+    parser.add_argument("--worker-timeout", type=float, default=3600)
+    parser.add_argument("--ckpt-root", default=os.path.join(HERE, "results", "tmp"))
+    parser.add_argument("--out", default=None,
+                        help="output path without extension (default results/vs_llamacpp)")
+    # worker-only
+    parser.add_argument("--worker", choices=list(ENGINES) + ["bandwidth"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--gguf", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--batch16", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--logits-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.shapes, args.rounds, args.max_tokens = ["llama-50m"], 1, 16
+        args.b16_prompt_len, args.b16_max_tokens = 32, 8
+    for shape in args.shapes:
+        if shape not in SHAPE_LABELS:
+            raise ValueError(f"shape {shape!r} is not supported; use one of "
+                             f"{sorted(SHAPE_LABELS)}")
+    if args.rounds < 1 or args.max_tokens < 2:
+        raise ValueError(f"--rounds must be >= 1 and --max-tokens >= 2, got {args.rounds} and "
+                         f"{args.max_tokens}")
+    if "llamacpp" in args.engines:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            sys.exit("llama_cpp is not importable: pip install -e '.[bench]' "
+                     "(llama-cpp-python and gguf)")
+    out = args.out or os.path.join(HERE, "results",
+                                   "vs_llamacpp_quick" if args.quick else "vs_llamacpp")
+    os.makedirs(args.ckpt_root, exist_ok=True)
+    began = time.time()
+    cases = {}
+    for shape in args.shapes:
+        for dtype in args.dtypes:
+            cases[(shape, dtype)] = prepare(shape, dtype, args.ckpt_root)
+            print(f"prepared {shape} {dtype}: {cases[(shape, dtype)]['gguf']}", flush=True)
+    runs = {(s, d, e): [] for (s, d) in cases for e in args.engines}
+    bandwidths: list[float] = []
+    llama_info: dict = {}
+    for rnd in range(args.rounds):
+        bw = spawn(args, "bandwidth")
+        if "error" not in bw:
+            bandwidths.append(bw["read_gb_s"])
+        order = args.engines[rnd % len(args.engines):] + args.engines[:rnd % len(args.engines)]
+        for (shape, dtype), case in cases.items():
+            for engine in order:
+                res = spawn(args, engine, case, dtype, shape in args.batch16_shapes)
+                runs[(shape, dtype, engine)].append(res)
+                if engine == "llamacpp" and "error" not in res:
+                    llama_info = {"version": res.get("llama_cpp_python"),
+                                  "system_info": res.get("system_info"),
+                                  "flash_attn_type": res.get("flash_attn_type")}
+                brief = res.get("error", "").strip().splitlines()[-1:] or [
+                    f"b1 {res['b1']['decode_tok_s']:.2f} tok/s"
+                    + (f", b16 {res['b16']['total_tok_s']:.1f} tok/s" if "b16" in res else "")]
+                print(f"round {rnd + 1}/{args.rounds} {shape} {dtype} {LABELS[engine]}: "
+                      f"{brief[0]}", flush=True)
+    bw = spawn(args, "bandwidth")
+    if "error" not in bw:
+        bandwidths.append(bw["read_gb_s"])
+    summary = summarize(args, cases, runs, bandwidths, isa_info(), llama_info)
+    summary["wall_s"] = time.time() - began
+    summary["runs"] = {f"{s}/{d}/{e}": v for (s, d, e), v in runs.items()}
+    with open(out + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    text = markdown(summary)
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    print(f"wrote {out}.md and {out}.json in {summary['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""benchmarks/bench_vs_llamacpp.py and benchmarks/gguf_convert.py: the GGUF a tiny checkpoint
+converts to gives llama.cpp transformers' logits and greedy tokens (skipped without
+llama-cpp-python / gguf: `pip install -e '.[bench]'`), and the report renders."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from tests.model_executor.hf_checkpoints import make_llama, make_qwen2
+except ImportError:  # tests/ itself on sys.path
+    from model_executor.hf_checkpoints import make_llama, make_qwen2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "benchmarks")
+SCRIPT = os.path.join(BENCH, "bench_vs_llamacpp.py")
+sys.path.insert(0, BENCH)
+
+import bench_vs_llamacpp as bench  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS = 32, 4
+
+
+def hf_reference(path: str, dtype: torch.dtype) -> tuple[np.ndarray, list[int]]:
+    """transformers' logits at the last prompt position and its greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ids = torch.tensor(bench.prompt_ids(1, PROMPT_LEN, model.config.vocab_size))
+    with torch.inference_mode():
+        logits = model(ids).logits[0, -1].float().numpy()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             pad_token_id=0)
+    return logits, out[0, PROMPT_LEN:].tolist()
+
+
+def run_llamacpp_worker(path: str, gguf_path: str, logits_out: str) -> dict:
+    cmd = [sys.executable, SCRIPT, "--worker", "llamacpp", "--path", path, "--gguf", gguf_path,
+           "--threads", "1", "--prompt-len", str(PROMPT_LEN), "--max-tokens", str(NEW_TOKENS),
+           "--batch16", "16", "--b16-prompt-len", "8", "--b16-max-tokens", "3",
+           "--logits-out", logits_out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith(bench._RESULT)][-1]
+    return json.loads(line[len(bench._RESULT):])
+
+
+@pytest.mark.parametrize("make", [make_llama, make_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_round_trip_matches_transformers(tmp_path, make, dtype):
+    pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp")
+    from gguf_convert import convert
+
+    # GQA (4 heads, 2 KV heads) exercises the per-KV-head reordering of k_proj's rows
+    path = make(tmp_path / "ckpt")
+    if dtype == "bfloat16":
+        path = bench.write_bf16_copy(path, str(tmp_path / "ckpt-bf16"))
+    gguf_path = convert(path, str(tmp_path / "m.gguf"), dtype)
+    result = run_llamacpp_worker(path, gguf_path, str(tmp_path / "logits.npy"))
+    logits = np.load(tmp_path / "logits.npy")
+    ref_logits, ref_tokens = hf_reference(path, getattr(torch, dtype))
+    assert logits.shape == ref_logits.shape
+    if dtype == "float32":  # same weights, same math: float32 rounding only
+        np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-4 * np.abs(
+            ref_logits).max() + 1e-5)
+        assert result["b1"]["tokens"] == ref_tokens
+    else:  # bfloat16 activations differ in rounding between the engines
+        err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+        assert err < 0.05, err
+    assert result["b1"]["decode_tok_s"] > 0 and result["b16"]["total_tok_s"] > 0
+
+
+def test_gguf_tokenizer_matches_the_checkpoints(tmp_path):
+    pytest.importorskip("gguf")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from gguf_convert import convert
+    from transformers import AutoTokenizer
+
+    path = make_llama(tmp_path / "ckpt")
+    gguf_path = convert(path, str(tmp_path / "m.gguf"))
+    vocab_only = llama_cpp.Llama(gguf_path, vocab_only=True, verbose=False)
+    hf = AutoTokenizer.from_pretrained(path)
+    for text in ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return 42",
+                 "Hello world! How are you today?"]:
+        ours = vocab_only.tokenize(text.encode(), add_bos=False, special=False)
+        assert ours == hf(text, add_special_tokens=False)["input_ids"], text
+    assert vocab_only.token_eos() == hf.eos_token_id
+    assert vocab_only.n_vocab() == 384
+
+
+def test_convert_rejects_unsupported_architectures(tmp_path):
+    pytest.importorskip("gguf")
+    from gguf_convert import convert
+
+    path = make_llama(tmp_path / "ckpt", tokenizer=False)
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        convert(path, str(tmp_path / "m.gguf"))
+    with pytest.raises(ValueError, match="float16"):
+        convert(path, str(tmp_path / "m.gguf"), "float16")
+
+
+def test_report_has_ratios_bandwidth_share_and_failures():
+    args = SimpleNamespace(engines=list(bench.ENGINES), batch16_shapes=["llama-50m"],
+                           threads=2, rounds=3, prompt_len=32, max_tokens=128,
+                           b16_prompt_len=128, b16_max_tokens=128)
+    cases = {("llama-50m", "float32"): {"weight_bytes": 100_000_000}}
+
+    def run(b1: float, b16: float) -> dict:
+        return {"b1": {"decode_tok_s": b1, "tokens": [1, 2, 3]}, "b16": {"total_tok_s": b16}}
+
+    runs = {("llama-50m", "float32", "hf"): [run(10, 50)] * 3,
+            ("llama-50m", "float32", "llamacpp"): [run(80, 200), run(100, 300), run(90, 250)],
+            ("llama-50m", "float32", "O0"): [run(40, 100)] * 3,
+            ("llama-50m", "float32", "O2"): [run(45, 500), {"error": "exit 1: boom"},
+                                             run(45, 500)],
+            ("llama-50m", "float32", "O3"): [run(50, 400)] * 3}
+    machine = {"cpu": "test cpu", "isa": "AVX2 + FMA", "flags": ["avx2", "fma"],
+               "logical_cpus": 2}
+    summary = bench.summarize(args, cases, runs, [20.0, 10.0, 30.0], machine,
+                              {"version": "0", "system_info": "AVX2 = 1", "flash_attn_type": -1})
+    b1, b16 = summary["rows"]
+    assert b1["engines"]["llamacpp"]["tok_s"] == 90  # the median of the rounds
+    assert b1["engines"]["O2"]["vs_llamacpp"] == pytest.approx(0.5)
+    assert b16["engines"]["O2"]["vs_llamacpp"] == pytest.approx(2.0)
+    # 100 MB x 90 tok/s = 9 GB/s of a 20 GB/s median bandwidth
+    assert b1["engines"]["llamacpp"]["pct_of_bandwidth"] == pytest.approx(45.0)
+    assert b1["engines"]["O2"]["errors"] == ["exit 1: boom"]
+    text = bench.markdown(summary)
+    assert "ISA AVX2 + FMA" in text and "read bandwidth 20.0 GB/s" in text
+    assert "| 0.50x |" in text and "| 2.00x |" in text
+    assert "9.0 (45%)" in text and "ours -O2: exit 1: boom" in text
