@@ -6,6 +6,10 @@ graph. The ops are called directly, not through the Python API in
 `torch.distributed._functional_collectives`: that wraps eager results in a tensor subclass
 through a `torch.library.custom_op`, whose first call imports Dynamo (~0.8 s of a start-up,
 also at -O0 and on a warm start that loads the compiled pieces without it).
+
+A group whose ranks share one host (CPU) all-reduces through shared memory instead:
+`torch.ops.vllm.all_reduce` (vllm/distributed/shm_all_reduce.py), the op the
+AllReduce+RMSNorm fusion pass matches.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     tp = get_tp_group()
     if tp.world_size == 1:
         return x
+    if tp.shm_all_reduce is not None:
+        return torch.ops.vllm.all_reduce(x, tp.group.group_name)
     ops = torch.ops._c10d_functional
     return ops.wait_tensor(ops.all_reduce(x, "sum", tp.group.group_name))
 

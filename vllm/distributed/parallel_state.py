@@ -20,6 +20,9 @@ class GroupCoordinator:
     world_size: int
     ranks: list[int]
     backend: str = "gloo"
+    shm_all_reduce: Any = None
+    """The group's shared-memory all-reduce (vllm/distributed/shm_all_reduce.py), when all its
+    ranks are on one host and the CPU path is on; None: torch.distributed's all-reduce."""
 
     @property
     def is_first_rank(self) -> bool:
@@ -65,6 +68,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     group = dist.new_group(ranks, backend=backend)
     _TP = GroupCoordinator(group=group, rank_in_group=dist.get_rank(), world_size=world,
                            ranks=ranks, backend=str(backend))
+    if _TP is not None and _TP.world_size > 1 and str(backend) == "gloo":
+        # Ranks of one host all-reduce through shared memory (collective over the TP group).
+        from vllm.distributed.shm_all_reduce import init_shm_all_reduce
+
+        _TP.shm_all_reduce = init_shm_all_reduce(_TP.group, _TP.rank_in_group, world,
+                                                 src_rank=_TP.ranks[0])
 
 
 def model_parallel_is_initialized() -> bool:
@@ -88,6 +97,10 @@ def get_tensor_model_parallel_world_size() -> int:
 
 def destroy_model_parallel() -> None:
     global _TP
+    if _TP is not None and _TP.shm_all_reduce is not None:
+        from vllm.distributed.shm_all_reduce import destroy_shm_all_reduce
+
+        destroy_shm_all_reduce(_TP.group.group_name)
     _TP = None
 
 
