@@ -229,8 +229,8 @@ def test_upstream_model_and_parallel_flags(tiny):
     assert (mc.tokenizer_mode, mc.generation_config) == ("slow", "vllm")
     assert mc.override_generation_config == {"temperature": 0.5}
     assert config.parallel_config.pipeline_parallel_size == 1
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported"):
-        from_argv("--model", tiny, "-pp", "2").create_engine_config()
+    assert from_argv("--model", tiny, "-pp", "2", "--distributed-executor-backend", "mp"
+                     ).create_engine_config().parallel_config.pipeline_parallel_size == 2
     with pytest.raises(ValueError, match="data_parallel_size > 1 is not supported"):
         from_argv("--model", tiny, "--data-parallel-size", "2").create_engine_config()
 

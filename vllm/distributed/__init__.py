@@ -6,6 +6,9 @@ from vllm.distributed.communication_op import (
 from vllm.distributed.parallel_state import (
     destroy_distributed_environment,
     destroy_model_parallel,
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
+    get_pp_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     get_tp_group,
@@ -15,6 +18,8 @@ from vllm.distributed.parallel_state import (
 )
 
 __all__ = ["destroy_distributed_environment", "destroy_model_parallel",
+           "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size",
+           "get_pp_group",
            "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group",
            "init_distributed_environment", "initialize_model_parallel",
            "model_parallel_is_initialized", "tensor_model_parallel_all_gather",

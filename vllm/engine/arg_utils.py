@@ -273,16 +273,20 @@ class EngineArgs:
                            default=d.tensor_parallel_size, help="Tensor-parallel ranks.")
         sched.add_argument("-pp", "--pipeline-parallel-size", type=positive_int,
                            default=d.pipeline_parallel_size,
-                           help="Pipeline-parallel stages (only 1: use -tp).")
+                           help="Pipeline-parallel stages: the decoder layers split across "
+                           "them (VLLM_PP_LAYER_PARTITION='a,b,...' to choose); world = tp x pp.")
         sched.add_argument("-dp", "--data-parallel-size", type=positive_int,
                            default=d.data_parallel_size,
                            help="Data-parallel replicas (only 1: run one server per replica).")
         sched.add_argument("--disable-custom-all-reduce", action="store_true",
                            help="Accepted for upstream's scripts: the all-reduce is always "
                            "torch.distributed's here (there is no custom one to disable).")
-        sched.add_argument("--distributed-executor-backend", choices=["uni", "mp"],
+        sched.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"],
                            default=d.distributed_executor_backend,
-                           help="uni: one process; mp: one process per rank.")
+                           help="uni: one process; mp: one local process per rank; ray: one "
+                           "Ray actor per rank (multi-node; RAY_ADDRESS or a local cluster). "
+                           "Default: ray inside a Ray job or when the world is larger than "
+                           "this machine, else mp.")
         sched.add_argument("--disable-log-stats", action="store_true",
                            help="Do not log engine statistics.")
         compat = parser.add_argument_group(
@@ -392,6 +396,7 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
+        _check_pipeline_parallel(model_config, parallel_config.pipeline_parallel_size)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             enable_chunked_prefill=self.enable_chunked_prefill)
@@ -431,3 +436,16 @@ def _kv_cache_memory(text: str) -> int:
 class AsyncEngineArgs(EngineArgs):
     """Upstream's argument class for the async engine (`AsyncLLMEngine.from_engine_args`):
     the same settings."""
+
+
+def _check_pipeline_parallel(model_config: ModelConfig, pp_size: int) -> None:
+    """pipeline_parallel_size > 1: the family supports it and the layer split is valid
+    (ValueError naming the problem)."""
+    if pp_size == 1:
+        return
+    from vllm.model_executor.models.pipeline import check_pp_supported, pp_partition
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
+    check_pp_supported(model_cls, pp_size)
+    pp_partition(model_config.get_num_layers(), pp_size)

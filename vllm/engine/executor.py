@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.engine.errors import EngineFatalError
-from vllm.engine.worker import GiB, Worker
+from vllm.engine.worker import GiB, Worker, output_rank
 from vllm.logger import init_logger, set_process_prefix
 
 if TYPE_CHECKING:
@@ -38,8 +38,13 @@ class Executor:
             return UniProcExecutor
         if pc.distributed_executor_backend == "uni":
             raise NotImplementedError(
-                f"tensor_parallel_size={pc.tensor_parallel_size} needs one process per rank: "
+                f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
+                f"{pc.pipeline_parallel_size} needs one process per rank: "
                 "use distributed_executor_backend='mp' (the default for tensor parallelism).")
+        if pc.distributed_executor_backend == "ray":
+            from vllm.engine.ray_executor import RayExecutor
+
+            return RayExecutor
         return MultiprocExecutor
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -140,6 +145,7 @@ class MultiprocExecutor(UniProcExecutor):
     def __init__(self, vllm_config: VllmConfig, load_format: str = "auto") -> None:
         self.vllm_config = vllm_config
         world = vllm_config.parallel_config.world_size
+        self._output_rank = output_rank(vllm_config)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self._procs: list[Any] = []
@@ -229,7 +235,7 @@ class MultiprocExecutor(UniProcExecutor):
             raise self._watch.report(_death(rank, proc, f"during {method}")) from None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call_all("execute_model", scheduler_output)[0]
+        return self._call_all("execute_model", scheduler_output)[self._output_rank]
 
     def start_health_monitor(self, on_dead: Callable[[BaseException], None]) -> None:
         self._watch.add_callback(on_dead)
@@ -350,8 +356,9 @@ def _stop_workers(procs: list[Any], conns: list[Any], watch: _WorkerWatch) -> No
 
 
 def _worker_main(vllm_config: VllmConfig, rank: int, init_method: str, conn: Any) -> None:
-    """A tensor-parallel rank > 0: run Worker methods as rank 0 asks, answer each call."""
+    """A rank > 0: run Worker methods as rank 0 asks, answer each call."""
     set_process_prefix(f"(TP rank={rank} pid={os.getpid()}) ")
+    sampler = output_rank(vllm_config)
     conn.send(("started", None))
     worker = Worker(vllm_config, rank=rank, local_rank=rank,
                     distributed_init_method=init_method)
@@ -365,8 +372,9 @@ def _worker_main(vllm_config: VllmConfig, rank: int, init_method: str, conn: Any
                 return
             try:
                 result = getattr(worker, method)(*args)
-                # Only rank 0 samples; the others' results are not needed.
-                conn.send(("ok", None if method == "execute_model" else result))
+                # Only the output rank samples; the others' results are not needed.
+                conn.send(("ok", None if method == "execute_model" and rank != sampler
+                           else result))
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
     finally:

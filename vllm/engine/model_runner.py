@@ -163,6 +163,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         rows = torch.arange(min(self.max_num_reqs, num_tokens), device=self.device)
         logits = self.model.compute_logits(hidden[rows])
+        if logits is None:  # a pipeline stage before the last
+            return
         n = logits.shape[0]
         self.sampler(logits, SamplingMetadata(
             temperature=torch.ones(n, device=self.device), all_greedy=False, all_random=True,
@@ -192,6 +194,11 @@ class ModelRunner:
         after one warm-up run; afterwards `execute_model` dispatches to them."""
         mode = self._resolved_cudagraph_mode()
         if not mode:
+            return
+        if self.vllm_config.parallel_config.pipeline_parallel_size > 1:
+            # The stages' send/recv run between the compiled pieces, outside any graph.
+            logger.warning("CUDA graphs are not captured with pipeline parallelism (the "
+                           "stages' compiled graphs run without them)")
             return
         from vllm.compilation.counter import compilation_counter
         from vllm.compilation.cuda_graph import CUDAGraphWrapper

@@ -1,7 +1,7 @@
 """Worker: one device. Loads the model, sizes and allocates the KV cache, runs steps."""
 from __future__ import annotations
 
-import os
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,6 +84,13 @@ def determine_num_blocks(vllm_config: VllmConfig, block_bytes: int,
     return num_blocks, source
 
 
+def output_rank(vllm_config: VllmConfig) -> int:
+    """The rank that samples and answers each step: tensor-parallel rank 0 of the last
+    pipeline stage (global rank = stage * tp + tp rank)."""
+    pc = vllm_config.parallel_config
+    return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+
+
 class Worker:
     def __init__(self, vllm_config: VllmConfig, rank: int = 0, local_rank: int = 0,
                  distributed_init_method: str | None = None) -> None:
@@ -95,6 +102,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.num_blocks = 0
         self._saved_num_threads: int | None = None
+        self._thread_governor = None
 
     def init_device(self) -> None:
         self.platform.verify_can_run()
@@ -104,8 +112,11 @@ class Worker:
             torch.cuda.set_device(device)
         self.device = device
         self._init_distributed()
+        if device.type == "cpu":
+            self._init_cpu_threads()
         torch.manual_seed(self.vllm_config.model_config.seed)
-        self.model_runner = ModelRunner(self.vllm_config, device, is_driver=self.rank == 0)
+        self.model_runner = ModelRunner(self.vllm_config, device,
+                                        is_driver=self.rank == output_rank(self.vllm_config))
 
     def _init_distributed(self) -> None:
         world = self.vllm_config.parallel_config.world_size
@@ -115,11 +126,21 @@ class Worker:
 
         init_distributed_environment(world, self.rank, self.platform.dist_backend,
                                      self.distributed_init_method, self.local_rank)
-        initialize_model_parallel(self.vllm_config.parallel_config.tensor_parallel_size)
-        if self.device.type == "cpu":
-            # The ranks share the cores: each rank gets its share, not all cores each.
-            self._saved_num_threads = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        pc = self.vllm_config.parallel_config
+        initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+    def _init_cpu_threads(self) -> None:
+        """Intra-op threads from the CPUs this rank may use (affinity, cgroup quota, its share
+        of the ranks; the user's own setting wins), and the contention governor that runs
+        fewer threads while another process is busy on them (vllm/utils/cpu_threads.py)."""
+        from vllm.utils import cpu_threads
+
+        world = self.vllm_config.parallel_config.world_size
+        plan = cpu_threads.plan_threads(world, self.rank)
+        self._saved_num_threads = torch.get_num_threads()
+        cpu_threads.apply_thread_plan(plan, self.rank)
+        self._thread_governor = cpu_threads.ThreadGovernor(
+            plan, adjust=cpu_threads.adaptive_threads_enabled())
 
     def load_model(self, load_format: str = "auto") -> None:
         self.model_runner.load_model(load_format)
@@ -177,7 +198,15 @@ class Worker:
                                        note=f"{pending} weights left, finished after ready")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        governor = self._thread_governor
+        if governor is None:
+            return self.model_runner.execute_model(scheduler_output)
+        start = time.perf_counter()
+        output = self.model_runner.execute_model(scheduler_output)
+        governor.step(time.perf_counter() - start,
+                      (scheduler_output.total_num_scheduled_tokens,
+                       len(scheduler_output.num_scheduled_tokens)))
+        return output
 
     @torch.inference_mode()
     def check_health(self) -> None:
@@ -204,6 +233,7 @@ class Worker:
             from vllm.distributed import destroy_distributed_environment
 
             destroy_distributed_environment()
+        self._thread_governor = None
         if self._saved_num_threads is not None:
             torch.set_num_threads(self._saved_num_threads)
             self._saved_num_threads = None

@@ -32,7 +32,6 @@ from vllm.model_executor.layers.rotary_embedding import (
     rope_config,
     rope_max_position,
 )
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -40,7 +39,9 @@ from vllm.model_executor.models.llama import (
     config_sliding_window,
     head_dim_of,
     maybe_prefix,
+    pp_embedding,
 )
+from vllm.model_executor.models.pipeline import PPMissingLayer, is_last_stage, make_layers
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -214,25 +215,31 @@ class GemmaModel(nn.Module):
         check_causal(config)
         self.config = config
         self.vocab_size = config.vocab_size
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=maybe_prefix(prefix, "embed_tokens"))
+        self.embed_tokens = pp_embedding(config, prefix)
         # The model is built with its dtype as torch's default dtype (see model_loader).
         self.normalizer = embedding_normalizer(config.hidden_size, torch.get_default_dtype())
         kinds = layer_type.layer_kinds(config)
         ropes = layer_type.rotary_embeddings(config)
         window = config_sliding_window(config)
-        self.layers = nn.ModuleList(
-            layer_type(config, ropes[kind], cache_config=vllm_config.cache_config,
-                       quant_config=None, prefix=maybe_prefix(prefix, f"layers.{i}"),
-                       sliding_window=window if kind == SLIDING_ATTENTION else None)
-            for i, kind in enumerate(kinds))
-        self.norm = GemmaRMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
+        # Pipeline parallelism as in LlamaModel (models/pipeline.py).
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            len(kinds),
+            lambda i: layer_type(config, ropes[kinds[i]], cache_config=vllm_config.cache_config,
+                                 quant_config=None, prefix=maybe_prefix(prefix, f"layers.{i}"),
+                                 sliding_window=window if kinds[i] == SLIDING_ATTENTION
+                                 else None))
+        self.norm = (GemmaRMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
+                     if is_last_stage() else PPMissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.normalizer
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> Any:
+        if hidden_states is None:
+            hidden_states = self.embed_tokens(input_ids) * self.normalizer
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if isinstance(self.norm, PPMissingLayer):
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

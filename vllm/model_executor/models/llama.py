@@ -44,6 +44,14 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from vllm.model_executor.models.pipeline import (
+    PPMissingLayer,
+    is_first_stage,
+    is_last_stage,
+    is_pp_missing_parameter,
+    make_layers,
+    pp_forward,
+)
 
 logger = init_logger(__name__)
 
@@ -214,31 +222,50 @@ class LlamaModel(nn.Module):
         quant_config = None
         self.config = config
         self.vocab_size = config.vocab_size
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=maybe_prefix(prefix, "embed_tokens"))
+        self.embed_tokens = pp_embedding(config, prefix)
         theta, scaling, partial = rope_config(config)
         head_dim = head_dim_of(config)
         # One rotary module (and one cos/sin cache) shared by every layer.
         rotary_emb = get_rope(head_dim, int(head_dim * partial), rope_max_position(config),
                               theta, scaling,
                               original_max_position=config.max_position_embeddings)
-        self.layers = nn.ModuleList(
-            layer_type(config, rotary_emb, cache_config=cache_config, quant_config=quant_config,
-                       prefix=maybe_prefix(prefix, f"layers.{i}"),
-                       sliding_window=layer_type.layer_sliding_window(config, i))
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
+        # Pipeline parallelism: this stage's layers [start_layer, end_layer), placeholders
+        # for the others (models/pipeline.py).
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: layer_type(config, rotary_emb, cache_config=cache_config,
+                                 quant_config=quant_config,
+                                 prefix=maybe_prefix(prefix, f"layers.{i}"),
+                                 sliding_window=layer_type.layer_sliding_window(config, i)))
+        self.norm = (RMSNorm(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6))
+                     if is_last_stage() else PPMissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> Any:
+        """A pipeline stage after the first passes the previous stage's `hidden_states` and
+        `residual`; a stage before the last returns them (see models/pipeline.py)."""
+        if hidden_states is None:
+            hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if isinstance(self.norm, PPMissingLayer):
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
+def pp_embedding(config: Any, prefix: str) -> nn.Module:
+    """The token embedding, on the first pipeline stage (and on the last when the LM head is
+    tied to it); a placeholder elsewhere."""
+    if is_first_stage() or (is_last_stage() and getattr(config, "tie_word_embeddings", False)):
+        return VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                      prefix=maybe_prefix(prefix, "embed_tokens"))
+    return PPMissingLayer()
+
+
 class LlamaForCausalLM(nn.Module):
+    supports_pp = True
     model_cls = LlamaModel
     layer_cls = LlamaDecoderLayer
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -256,10 +283,13 @@ class LlamaForCausalLM(nn.Module):
         self.vllm_config = vllm_config
         self.model = self.model_cls(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                     layer_type=self.layer_cls)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                      prefix=maybe_prefix(prefix, "lm_head"))
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        if is_last_stage():
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.attention_layers = collect_attention_layers(self)
         windows = sorted({layer.sliding_window for layer in self.attention_layers.values()
@@ -271,9 +301,13 @@ class LlamaForCausalLM(nn.Module):
                         "/".join(map(str, windows)), sliding, len(self.attention_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        return pp_forward(self.model, input_ids, positions, self.config.hidden_size,
+                          self.vllm_config.model_config.torch_dtype)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Logits; None on a pipeline stage before the last (it has no LM head)."""
+        if isinstance(self.lm_head, PPMissingLayer):
+            return None
         return self.logits_processor(self.lm_head, hidden_states)
 
     def _load_expert_weight(self, name: str, tensor: torch.Tensor,
@@ -288,12 +322,15 @@ class LlamaForCausalLM(nn.Module):
         parameter (compare with the `shard_ids` attribute). Unknown tensors raise ValueError."""
         params = dict(self.named_parameters())
         tied = getattr(self.config, "tie_word_embeddings", False)
+        pp = self.vllm_config.parallel_config.pipeline_parallel_size > 1
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(SKIPPED_TENSOR_SUFFIXES):
                 continue
             if tied and name.startswith("lm_head."):
                 continue  # the embedding is the LM head
+            if pp and is_pp_missing_parameter(name, self):
+                continue  # another pipeline stage's
             key = self._load_one(name, tensor, params)
             if key is None:
                 raise ValueError(f"unexpected tensor {name!r}: {type(self).__name__} has no "

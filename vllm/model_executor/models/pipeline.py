@@ -1,0 +1,154 @@
+"""Pipeline parallelism for the decoder stacks: which layers a stage holds, placeholders for
+the others, and the hand-over of hidden states and residuals between stages.
+
+Split rule (`get_pp_indices`): stage s of P holds layers [start, end). Without
+VLLM_PP_LAYER_PARTITION each stage gets num_layers // P layers and the remainder goes one
+layer each to the stages before the last, from the last-but-one backwards (the last stage
+also runs the final norm, the LM head and sampling, so it gets fewer). Example: 10 layers on
+4 stages -> 3, 3, 2, 2; 24 on 2 -> 12, 12. VLLM_PP_LAYER_PARTITION="a,b,..." (one positive
+count per stage, summing to num_layers) sets the split explicitly, e.g. "4,4".
+
+A model supports pipeline parallelism when its `*Model` builds its layers with `make_layers`,
+its embedding only on the first stage and its final norm only on the last, and takes
+`(input_ids, positions, hidden_states, residual)`: the first stage embeds, the others start
+from the received tensors; every stage but the last returns `(hidden_states, residual)`.
+`pp_forward` (in the `*ForCausalLM`'s uncompiled forward) receives and sends around the
+compiled stack, so each stage compiles its own graph.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+PP_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the layers stage `pp_rank` of `pp_size` holds (rule in the module
+    docstring). ValueError for a split that leaves a stage empty or does not add up."""
+    return pp_partition(num_layers, pp_size)[pp_rank]
+
+
+def pp_partition(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Every stage's [start, end) of the layers."""
+    text = os.environ.get(PP_PARTITION_ENV, "").strip()
+    if text:
+        try:
+            counts = [int(part) for part in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{PP_PARTITION_ENV}={text!r} must be comma-separated layer "
+                             "counts, one per pipeline stage, e.g. '4,4'") from None
+        if len(counts) != pp_size:
+            raise ValueError(f"{PP_PARTITION_ENV}={text!r} names {len(counts)} stages; "
+                             f"pipeline_parallel_size is {pp_size}")
+        if any(c < 1 for c in counts):
+            raise ValueError(f"{PP_PARTITION_ENV}={text!r}: every stage needs at least one "
+                             "layer")
+        if sum(counts) != num_layers:
+            raise ValueError(f"{PP_PARTITION_ENV}={text!r} sums to {sum(counts)} layers; the "
+                             f"model has {num_layers}")
+    else:
+        if pp_size > num_layers:
+            raise ValueError(f"pipeline_parallel_size={pp_size} is more than the model's "
+                             f"{num_layers} layers (each stage needs at least one)")
+        counts = [num_layers // pp_size] * pp_size
+        for i in range(num_layers % pp_size):
+            counts[-2 - i] += 1
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands for a layer (or embedding, norm, head) another stage holds: no parameters, so
+    the module tree keeps its names (`layers.17`) and the weights of other stages are
+    skipped when loading."""
+
+
+def pp_state() -> tuple[int, int]:
+    """(this rank's stage, number of stages)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    group = get_pp_group()
+    return group.rank_in_group, group.world_size
+
+
+def make_layers(num_layers: int, build: Callable[[int], nn.Module]
+                ) -> tuple[int, int, nn.ModuleList]:
+    """(start, end, layers): `build(i)` for this stage's layers, PPMissingLayer for the
+    others."""
+    rank, size = pp_state()
+    start, end = get_pp_indices(num_layers, rank, size) if size > 1 else (0, num_layers)
+    return start, end, nn.ModuleList(build(i) if start <= i < end else PPMissingLayer()
+                                     for i in range(num_layers))
+
+
+def is_first_stage() -> bool:
+    rank, _ = pp_state()
+    return rank == 0
+
+
+def is_last_stage() -> bool:
+    rank, size = pp_state()
+    return rank == size - 1
+
+
+def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
+    """Whether checkpoint tensor `name` belongs to a module this stage does not hold."""
+    module = model
+    for part in name.split(".")[:-1]:
+        if isinstance(module, PPMissingLayer):
+            return True
+        child = getattr(module, part, None) if not part.isdigit() else (
+            module[int(part)] if isinstance(module, nn.ModuleList) and int(part) < len(module)
+            else None)
+        if child is None:
+            return False
+        module = child
+    return isinstance(module, PPMissingLayer)
+
+
+def check_pp_supported(model_cls: type, pp_size: int) -> None:
+    """ValueError when pipeline parallelism is asked of a family without it."""
+    if pp_size > 1 and not getattr(model_cls, "supports_pp", False):
+        raise ValueError(f"pipeline_parallel_size={pp_size}: {model_cls.__name__} does not "
+                         "support pipeline parallelism (the Llama-style families do: Llama, "
+                         "Mistral, Mixtral, Qwen2/3 (MoE), Phi-3, Gemma 1/2/3); use "
+                         "tensor_parallel_size instead")
+
+
+def pp_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+               hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Run this stage of the decoder stack `model`: receive (hidden_states, residual) from
+    the previous stage unless first, send them to the next unless last. Returns the last
+    stage's hidden states; other stages return their sent hidden states (nothing samples
+    from them: `compute_logits` of a non-last stage returns None)."""
+    rank, size = pp_state()
+    if size == 1:
+        return model(input_ids, positions)
+    import torch.distributed as dist
+
+    from vllm.distributed.parallel_state import get_pp_group
+
+    group = get_pp_group()
+    hidden = residual = None
+    if rank > 0:
+        shape = (input_ids.shape[0], hidden_size)
+        hidden = torch.empty(shape, dtype=dtype, device=input_ids.device)
+        residual = torch.empty(shape, dtype=dtype, device=input_ids.device)
+        dist.recv(hidden, src=group.prev_rank)
+        dist.recv(residual, src=group.prev_rank)
+    out = model(input_ids, positions, hidden, residual)
+    if rank == size - 1:
+        return out
+    hidden, residual = out
+    dist.send(hidden.contiguous(), dst=group.next_rank)
+    dist.send(residual.contiguous(), dst=group.next_rank)
+    return hidden
+
