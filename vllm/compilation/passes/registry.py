@@ -36,7 +36,8 @@ _PASSES = "vllm.compilation.passes"
 PASS_REGISTRY: list[PassEntry] = [
     PassEntry("eliminate_noops", 10, f"{_PASSES}.utility.noop_elimination:NoOpEliminationPass",
               fusion=False),
-    PassEntry("fuse_allreduce_rms", 20, None),
+    PassEntry("fuse_allreduce_rms", 20,
+              f"{_PASSES}.fusion.allreduce_rms_fusion:AllReduceFusionPass"),
     PassEntry("fuse_norm_quant", 30, f"{_PASSES}.fusion.rms_quant_fusion:RMSNormQuantFusionPass"),
     PassEntry("fuse_act_quant", 40,
               f"{_PASSES}.fusion.act_quant_fusion:ActivationQuantFusionPass"),
@@ -64,6 +65,6 @@ def enabled_entries(pass_config: object) -> list[PassEntry]:
 
 
 def has_pass(flag: str) -> bool:
-    """Whether this engine has a pass for PassConfig `flag` (fuse_allreduce_rms has none yet:
-    the flag is accepted, as upstream's, and fuses nothing)."""
+    """Whether this engine has a pass for PassConfig `flag` (upstream's flags without an entry
+    class are accepted and fuse nothing)."""
     return any(e.flag == flag and e.pass_class is not None for e in PASS_REGISTRY)
