@@ -1,5 +1,9 @@
 """A clean-room, vLLM-compatible inference engine built around optimization levels."""
+from vllm.utils.omp_env import apply_omp_env_defaults as _apply_omp_env_defaults
 from vllm.version import __version__
+
+# torch's OpenMP runtime reads its wait policy once, at torch's import: set it before then.
+_apply_omp_env_defaults()
 
 # Heavy modules (torch, transformers) load on first use, so `import vllm` stays cheap.
 _LAZY = {

@@ -37,6 +37,13 @@ _GETTERS = {
     # KV cache space on the CPU, in GiB (upstream's name and unit).
     "VLLM_CPU_KVCACHE_SPACE": lambda: (float(os.environ["VLLM_CPU_KVCACHE_SPACE"])
                                        if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else None),
+    # CPU intra-op threads (vllm/utils/cpu_threads.py): "auto", "nobind" or CPU lists, one per
+    # TP rank ("0-3|4-7"), upstream's format; and whether the engine runs fewer threads while
+    # other processes are busy on its CPUs (on by default; never over a user's thread count).
+    "VLLM_CPU_OMP_THREADS_BIND": lambda: os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto",
+    "VLLM_CPU_ADAPTIVE_THREADS": lambda: _flag("VLLM_CPU_ADAPTIVE_THREADS", "1"),
+    # OpenMP wait policy set on `import vllm` before torch's (vllm/utils/omp_env.py).
+    "VLLM_CPU_OMP_WAIT_POLICY": lambda: os.environ.get("VLLM_CPU_OMP_WAIT_POLICY") or "auto",
     # Attention backend by name (default: the platform's choice).
     "VLLM_ATTENTION_BACKEND": lambda: os.environ.get("VLLM_ATTENTION_BACKEND") or None,
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,

@@ -133,14 +133,17 @@ class Worker:
         """Intra-op threads from the CPUs this rank may use (affinity, cgroup quota, its share
         of the ranks; the user's own setting wins), and the contention governor that runs
         fewer threads while another process is busy on them (vllm/utils/cpu_threads.py)."""
+        from vllm import envs
         from vllm.utils import cpu_threads
+        from vllm.utils.omp_env import check_omp_env
 
+        check_omp_env()
         world = self.vllm_config.parallel_config.world_size
         plan = cpu_threads.plan_threads(world, self.rank)
         self._saved_num_threads = torch.get_num_threads()
         cpu_threads.apply_thread_plan(plan, self.rank)
         self._thread_governor = cpu_threads.ThreadGovernor(
-            plan, adjust=cpu_threads.adaptive_threads_enabled())
+            plan, adjust=envs.VLLM_CPU_ADAPTIVE_THREADS)
 
     def load_model(self, load_format: str = "auto") -> None:
         self.model_runner.load_model(load_format)

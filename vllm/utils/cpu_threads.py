@@ -1,0 +1,588 @@
+"""How many intra-op threads the CPU engine runs, on which CPUs, and what it does when other
+processes take some of those CPUs.
+
+Three parts, each usable alone (the tests drive each with fake inputs):
+
+* `plan_threads` decides the thread count from the CPUs this process may use: its affinity
+  set (`os.sched_getaffinity`, i.e. taskset / a cpuset) and its cgroup CPU quota (cgroup v2
+  `cpu.max`, v1 `cpu.cfs_quota_us / cpu.cfs_period_us`), shared across the tensor-parallel
+  ranks. A user's own choice always wins: `OMP_NUM_THREADS`, an explicit
+  `VLLM_CPU_OMP_THREADS_BIND` list, or a `torch.set_num_threads` made before the engine
+  started. `apply_thread_plan` sets it and logs the choice and its reason once.
+* `parse_bind_spec` reads `VLLM_CPU_OMP_THREADS_BIND` in upstream's format: "auto" (the
+  default), "nobind", or CPU lists such as "0-3" or "0-3|4-7" (one list per TP rank).
+* The OpenMP wait policy lives in `vllm/utils/omp_env.py` (applied on `import vllm`, before
+  torch's import, so it must stay free of heavy imports).
+* `ContentionDetector` (pure decision logic over step times and other processes' CPU use)
+  and `ThreadGovernor` (its clock, /proc/stat reader and torch.set_num_threads) notice when
+  another process is busy on the engine's CPUs, warn once naming the fix, and run fewer
+  threads while that lasts (never when the user chose the thread count).
+
+Why fewer threads: torch's parallel regions (one per linear layer, ~100 per decode step) end
+at a barrier that waits for every thread. A thread that shares its core with a busy process
+runs only in its share of the time slices, so every region waits for it: a 2-thread step on
+2 cores with one core taken ran 15-25x slower than the same step on 1 thread (issue 21).
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+PROC_STAT = "/proc/stat"
+NUMA_ROOT = "/sys/devices/system/node"
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+# ---------------------------------------------------------------------------------------
+# CPU lists and the bind setting
+
+
+def parse_cpu_list(text: str, what: str = "CPU list") -> list[int]:
+    """ "0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (sorted, no duplicates). ValueError naming
+    the bad part for anything else (empty parts, reversed ranges, non-numbers)."""
+    cpus: set[int] = set()
+    text = text.strip()
+    if not text:
+        raise ValueError(f"{what} {text!r} is empty; expected CPU ids such as '0-3' or '0,2,4'")
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            first = int(lo)
+            last = int(hi) if sep else first
+        except ValueError:
+            raise ValueError(f"{what} {text!r}: {part!r} is not a CPU id or a range like "
+                             "'0-3'") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{what} {text!r}: {part!r} is not a range of CPU ids (ids are "
+                             ">= 0, written low-high)")
+        cpus.update(range(first, last + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+@dataclass(frozen=True)
+class BindSpec:
+    """VLLM_CPU_OMP_THREADS_BIND, parsed: mode "auto" | "nobind" | "list"; for "list", one
+    CPU list per tensor-parallel rank."""
+
+    mode: str
+    rank_cpus: tuple[tuple[int, ...], ...] = ()
+
+
+def parse_bind_spec(value: str | None, world_size: int = 1) -> BindSpec:
+    """Upstream's format: "auto" (default, also when unset or empty), "nobind", or CPU lists
+    separated by "|", one per rank ("0-3|4-7" for TP=2). ValueError for anything else, for a
+    count of lists that is not the world size, and for lists that overlap."""
+    text = (value or "").strip()
+    if text.lower() in ("", "auto"):
+        return BindSpec("auto")
+    if text.lower() == "nobind":
+        return BindSpec("nobind")
+    parts = text.split("|")
+    lists = tuple(tuple(parse_cpu_list(p, f"{BIND_ENV} rank {i} list"))
+                  for i, p in enumerate(parts))
+    if len(lists) != world_size:
+        raise ValueError(
+            f"{BIND_ENV}={text!r} gives {len(lists)} CPU list(s) for {world_size} "
+            f"tensor-parallel rank(s); give one list per rank separated by '|' (e.g. "
+            f"'0-3|4-7'), or 'auto' / 'nobind'")
+    seen: dict[int, int] = {}
+    for rank, cpus in enumerate(lists):
+        for c in cpus:
+            if c in seen:
+                raise ValueError(f"{BIND_ENV}={text!r}: CPU {c} is in the lists of ranks "
+                                 f"{seen[c]} and {rank}; each rank needs its own CPUs")
+            seen[c] = rank
+    return BindSpec("list", lists)
+
+
+# ---------------------------------------------------------------------------------------
+# The CPUs this process may use
+
+
+def affinity_cpus() -> list[int]:
+    """The CPUs the calling thread may run on (taskset, cpuset); all CPUs where unknown."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_limit(root: str = CGROUP_ROOT,
+                     proc_cgroup: str = PROC_SELF_CGROUP) -> tuple[float | None, str]:
+    """The cgroup CPU quota in CPUs (quota / period; 1.5 = one and a half CPUs) and the file
+    it came from; (None, reason) when there is none. cgroup v2 (`cpu.max`: "max 100000" or
+    "150000 100000") is tried first, then v1 (`cpu.cfs_quota_us`, -1 = none, over
+    `cpu.cfs_period_us`), each in this process's own cgroup directory and then at the root of
+    the mount (what a container sees)."""
+    own_v2, own_v1 = "", ""
+    text = _read(proc_cgroup) or ""
+    for line in text.splitlines():
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":
+            own_v2 = path
+        elif "cpu" in controllers.split(","):
+            own_v1 = path
+    candidates_v2 = [os.path.normpath(os.path.join(root, own_v2.lstrip("/"), "cpu.max")),
+                     os.path.join(root, "cpu.max")]
+    for path in dict.fromkeys(candidates_v2):
+        value = _read(path)
+        if value is None:
+            continue
+        quota, _, period = value.partition(" ")
+        if quota == "max":
+            return None, f"{path}: no quota"
+        try:
+            return int(quota) / int(period or 100000), path
+        except (ValueError, ZeroDivisionError):
+            return None, f"{path}: unreadable ({value!r})"
+    for sub in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
+        for base in dict.fromkeys([os.path.normpath(os.path.join(root, sub,
+                                                                  own_v1.lstrip("/"))),
+                                   os.path.join(root, sub)]):
+            quota, period = (_read(os.path.join(base, "cpu.cfs_quota_us")),
+                             _read(os.path.join(base, "cpu.cfs_period_us")))
+            if quota is None or period is None:
+                continue
+            try:
+                q, p = int(quota), int(period)
+            except ValueError:
+                return None, f"{base}: unreadable quota {quota!r} / period {period!r}"
+            if q <= 0 or p <= 0:
+                return None, f"{base}/cpu.cfs_quota_us: no quota"
+            return q / p, f"{base}/cpu.cfs_quota_us"
+    return None, "no cgroup CPU quota found"
+
+
+def numa_nodes(root: str = NUMA_ROOT) -> list[list[int]]:
+    """The CPUs of each NUMA node (one list per node, by node id); [] where unknown."""
+    try:
+        names = sorted((n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit()),
+                       key=lambda n: int(n[4:]))
+    except OSError:
+        return []
+    nodes = []
+    for n in names:
+        text = _read(os.path.join(root, n, "cpulist"))
+        if text:
+            try:
+                nodes.append(parse_cpu_list(text))
+            except ValueError:
+                return []
+    return nodes
+
+
+# ---------------------------------------------------------------------------------------
+# The thread plan
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """What a worker runs with: `num_threads` intra-op threads, on `bind_cpus` (None: where
+    the OS puts them, within the process's affinity), chosen for `reason`. `explicit`: the
+    user chose the count (OMP_NUM_THREADS, a bind list, torch.set_num_threads), so nothing
+    changes it later. `usable_cpus`: the CPUs the threads may run on."""
+
+    num_threads: int
+    reason: str
+    explicit: bool
+    usable_cpus: tuple[int, ...]
+    bind_cpus: tuple[int, ...] | None = None
+
+
+def _omp_num_threads(env) -> int | None:
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    first = raw.split(",")[0].strip()  # libgomp takes a list per nesting level
+    try:
+        n = int(first)
+    except ValueError:
+        raise ValueError(f"OMP_NUM_THREADS={raw!r} is not a thread count; use a positive "
+                         "integer such as 1 or 4") from None
+    if n < 1:
+        raise ValueError(f"OMP_NUM_THREADS={raw!r} is not a thread count; use a positive "
+                         "integer such as 1 or 4")
+    return n
+
+
+def plan_threads(world_size: int = 1, rank: int = 0, *, env=None,
+                 affinity: list[int] | None = None,
+                 cgroup_limit: tuple[float | None, str] | None = None,
+                 nodes: list[list[int]] | None = None,
+                 current_threads: int | None = None,
+                 default_threads: int | None = None,
+                 topology: dict[int, tuple[int, int]] | None = None) -> ThreadPlan:
+    """The intra-op thread plan of `rank` of `world_size` tensor-parallel ranks on this
+    machine. The inputs default to the real process (environment, affinity, cgroup, NUMA
+    nodes, torch's thread count now and its default); tests pass them.
+
+    Order: OMP_NUM_THREADS (yours) > a VLLM_CPU_OMP_THREADS_BIND list for this rank (as many
+    threads as CPUs) > a torch.set_num_threads made before the engine started (the current
+    count differs from torch's default) > the usable CPUs: the affinity set, capped by the
+    cgroup quota (whole CPUs, at least 1), shared evenly across the ranks. "auto" binding
+    gives each rank one NUMA node where the machine has several and TP > 1; on one node it
+    binds nothing (pinned threads cannot move off a core another process takes)."""
+    env = os.environ if env is None else env
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world size {world_size} is not a valid rank")
+    spec = parse_bind_spec(env.get(BIND_ENV), world_size)
+    cpus = sorted(affinity) if affinity is not None else affinity_cpus()
+    omp = _omp_num_threads(env)
+
+    bind: tuple[int, ...] | None = None
+    if spec.mode == "list":
+        bind = spec.rank_cpus[rank]
+        outside = sorted(set(bind) - set(cpus))
+        if outside:
+            raise ValueError(
+                f"{BIND_ENV} gives rank {rank} CPUs {format_cpu_list(outside)}, which this "
+                f"process may not use (its affinity is {format_cpu_list(cpus)}); use CPUs "
+                "from that set, or 'auto' / 'nobind'")
+    if omp is not None:
+        return ThreadPlan(omp, f"OMP_NUM_THREADS={omp} (yours)", True,
+                          bind or tuple(cpus), bind)
+    if bind is not None:
+        return ThreadPlan(len(bind), f"{BIND_ENV}: rank {rank} on CPUs "
+                          f"{format_cpu_list(bind)}", True, bind, bind)
+
+    if current_threads is None or default_threads is None:
+        import torch
+
+        current_threads = torch.get_num_threads() if current_threads is None else current_threads
+        default_threads = (torch_default_threads() if default_threads is None
+                           else default_threads)
+    defaults = {default_threads, _cores(cpus, topology), _last_set_by_us}
+    if current_threads not in defaults:
+        return ThreadPlan(current_threads, f"torch.set_num_threads({current_threads}) made "
+                          "before the engine started (yours)", True, tuple(cpus))
+
+    limit, limit_src = cgroup_limit if cgroup_limit is not None else cgroup_cpu_limit()
+    usable = _cores(cpus, topology)
+    why = f"{len(cpus)} CPUs in this process's affinity ({format_cpu_list(cpus)})"
+    if usable < len(cpus):
+        why += f", {usable} physical cores among them (one thread per core)"
+    if limit is not None and math.floor(limit) < usable:
+        usable = max(1, math.floor(limit))
+        why += f", cgroup quota {limit:g} CPUs ({limit_src})"
+    if world_size > 1 and spec.mode == "auto":
+        nodes = numa_nodes() if nodes is None else nodes
+        nodes = [sorted(set(n) & set(cpus)) for n in nodes]
+        nodes = [n for n in nodes if n]
+        if len(nodes) > 1:
+            node_id = rank % len(nodes)
+            sharers = [r for r in range(world_size) if r % len(nodes) == node_id]
+            node = nodes[node_id]
+            size = max(1, len(node) // len(sharers))
+            i = sharers.index(rank)
+            share = node[i * size:(i + 1) * size] or node[-size:]
+            threads = min(_cores(share, topology), max(1, usable // world_size))
+            return ThreadPlan(threads, f"{why}; TP={world_size}: rank {rank} bound to NUMA "
+                              f"node {node_id} (CPUs {format_cpu_list(share)})",
+                              False, tuple(share), tuple(share))
+    threads = max(1, usable // world_size)
+    if world_size > 1:
+        why += f", shared by {world_size} tensor-parallel ranks"
+    return ThreadPlan(threads, why, False, tuple(cpus), None)
+
+
+def torch_default_threads() -> int:
+    """The count torch starts with when nobody sets one: its OpenMP runtime's default, the
+    CPUs in the affinity set when torch was imported (OMP_NUM_THREADS, which changes it, is
+    handled before this is asked). Physical cores are accepted too (`plan_threads`)."""
+    return _startup_affinity
+
+
+def cpu_topology(root: str = "/sys/devices/system/cpu") -> dict[int, tuple[int, int]]:
+    """CPU id -> (package id, core id); {} where unknown."""
+    out = {}
+    try:
+        names = [n for n in os.listdir(root) if n.startswith("cpu") and n[3:].isdigit()]
+    except OSError:
+        return {}
+    for n in names:
+        core = _read(os.path.join(root, n, "topology", "core_id"))
+        pkg = _read(os.path.join(root, n, "topology", "physical_package_id"))
+        if core is None:
+            continue
+        try:
+            out[int(n[3:])] = (int(pkg or 0), int(core))
+        except ValueError:
+            continue
+    return out
+
+
+def _cores(cpus, topology: dict[int, tuple[int, int]] | None = None) -> int:
+    """Physical cores among `cpus` (SMT siblings count once); len(cpus) where unknown."""
+    topology = cpu_topology() if topology is None else topology
+    if not topology or any(c not in topology for c in cpus):
+        return len(cpus)
+    return max(1, len({topology[c] for c in cpus}))
+
+
+# The affinity size when this module was first imported (torch's OpenMP runtime sized its
+# default from the affinity at torch's import, which is before any of our code rebinds it).
+_startup_affinity: int | None = len(affinity_cpus())
+# The count our own apply_thread_plan set last (a second engine in the same process must not
+# take it for the user's choice).
+_last_set_by_us: int | None = None
+_logged: set[str] = set()
+
+
+def bind_process(cpus) -> int:
+    """Restrict every thread of this process (the OpenMP pool included, which already exists
+    once torch has run a parallel region) to `cpus`. Returns how many threads were bound."""
+    cpus = set(cpus)
+    n = 0
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+            n += 1
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return n
+
+
+def apply_thread_plan(plan: ThreadPlan, rank: int = 0) -> None:
+    """Set torch's intra-op threads (and binding) to `plan`; log the choice once per
+    process and plan."""
+    import torch
+
+    global _last_set_by_us
+    if plan.bind_cpus is not None:
+        bind_process(plan.bind_cpus)
+    if torch.get_num_threads() != plan.num_threads:
+        torch.set_num_threads(plan.num_threads)
+    if not plan.explicit:
+        _last_set_by_us = plan.num_threads
+    msg = (f"CPU intra-op threads: {plan.num_threads} (rank {rank}): {plan.reason}"
+           + (f"; bound to CPUs {format_cpu_list(plan.bind_cpus)}" if plan.bind_cpus else ""))
+    if msg not in _logged:
+        _logged.add(msg)
+        logger.info(msg)
+
+
+# ---------------------------------------------------------------------------------------
+# Contention
+
+
+@dataclass
+class Decision:
+    """What the detector asks for after a step: `threads` to run with (None: keep), and
+    `warn` the one-time warning's text (None: nothing to say)."""
+
+    threads: int | None = None
+    warn: str | None = None
+    info: str | None = None
+
+
+@dataclass
+class ContentionDetector:
+    """Decides, from step times and other processes' CPU use on this engine's CPUs, when to
+    run fewer threads. Pure: the caller supplies the clock and the measurements.
+
+    Every `window_s` (and at least `min_steps` steps) the caller reports `others_busy`, the
+    CPUs' worth of time other processes used on our CPUs in that window. Contention starts
+    after `enter_windows` windows in a row in which others kept at least `busy_on` CPUs busy
+    while we run more threads than the CPUs left to us; or, where `others_busy` is unknown,
+    when the window's median step is `slow_factor` x slower than the best seen at the same
+    batch shape and thread count. It ends after `leave_windows` windows with others below
+    `busy_off`. `adjust=False` (the user chose the thread count): warn only.
+    """
+
+    full_threads: int
+    num_cpus: int
+    adjust: bool = True
+    window_s: float = 0.25
+    min_steps: int = 2
+    busy_on: float = 0.6
+    busy_off: float = 0.3
+    enter_windows: int = 2
+    leave_windows: int = 2
+    slow_factor: float = 3.0
+    threads: int = 0
+    _best: dict = field(default_factory=dict)
+    _ratios: list = field(default_factory=list)
+    _window_start: float | None = None
+    _busy_run: int = 0
+    _calm_run: int = 0
+    warned: bool = False
+
+    def __post_init__(self) -> None:
+        self.threads = self.threads or self.full_threads
+
+    def _ratio(self, shape, step_s: float) -> float:
+        key = (shape, self.threads)
+        recent = self._best.setdefault(key, deque(maxlen=64))
+        best = min(recent) if recent else None
+        recent.append(step_s)
+        return 1.0 if best is None or best <= 0 else step_s / best
+
+    def observe(self, now: float, step_s: float, shape, others_busy=None) -> Decision | None:
+        """One step of `step_s` seconds at batch `shape` ending at `now`. `others_busy` is
+        called (no arguments) at a window's end for other processes' CPUs' worth of use since
+        the last call, or is None/returns None when unknown."""
+        self._ratios.append(self._ratio(shape, step_s))
+        if self._window_start is None:
+            self._window_start = now - step_s
+        if now - self._window_start < self.window_s or len(self._ratios) < self.min_steps:
+            return None
+        slow = statistics.median(self._ratios)
+        self._ratios.clear()
+        self._window_start = now
+        busy = others_busy() if callable(others_busy) else others_busy
+        return self.decide(busy, slow)
+
+    def decide(self, busy: float | None, slow: float) -> Decision | None:
+        """A window's verdict: `busy` other processes' CPUs' worth (None: unknown), `slow` the
+        window's median step time over the best at the same shape and threads."""
+        left = self.num_cpus - (busy or 0.0)
+        if self.threads < self.full_threads:  # contended now: is it over?
+            if busy is not None and busy < self.busy_off:
+                self._calm_run += 1
+                if self._calm_run >= self.leave_windows:
+                    self._calm_run = self._busy_run = 0
+                    old, self.threads = self.threads, self.full_threads
+                    return Decision(threads=self.full_threads, info=(
+                        f"CPU contention over (other processes now use {busy:.2f} CPUs): back "
+                        f"to {self.full_threads} threads from {old}"))
+                return None
+            self._calm_run = 0
+            target = max(1, min(self.full_threads, math.floor(left + 0.5)))
+            if busy is not None and target != self.threads:
+                self.threads = target
+                return Decision(threads=target)
+            return None
+        contended = (busy is not None and busy >= self.busy_on
+                     and self.threads > math.floor(left + 0.5))
+        if busy is None:
+            contended = slow >= self.slow_factor
+        if not contended:
+            self._busy_run = 0
+            return None
+        self._busy_run += 1
+        if self._busy_run < self.enter_windows:
+            return None
+        self._busy_run = 0
+        target = max(1, min(self.full_threads, math.floor(left + 0.5)))
+        decision = Decision()
+        if self.adjust and busy is not None and target < self.threads:
+            self.threads = target
+            decision.threads = target
+        if not self.warned:
+            self.warned = True
+            decision.warn = self._warning(busy, slow, target, decision.threads is not None)
+        return decision if (decision.threads or decision.warn) else None
+
+    def _warning(self, busy, slow, target, adjusted) -> str:
+        seen = (f"other processes use ~{busy:.1f} of the {self.num_cpus} CPUs this engine's "
+                f"{self.full_threads} threads run on" if busy is not None
+                else f"decode steps run {slow:.1f}x slower than the recent best at the same "
+                     "batch")
+        fix = (f"OMP_NUM_THREADS={target}, VLLM_CPU_OMP_THREADS_BIND=<free CPUs> or "
+               "`taskset -c <free CPUs>`")
+        if adjusted:
+            return (f"CPU contention: {seen}. Running {target} intra-op thread(s) instead of "
+                    f"{self.full_threads} while it lasts (a thread sharing a busy core stalls "
+                    f"every parallel region). To choose yourself: {fix}.")
+        return (f"CPU contention: {seen}, and a thread sharing a busy core stalls every "
+                f"parallel region. Your thread setting is kept; consider {fix}.")
+
+
+def _proc_stat_busy(cpus, path: str = PROC_STAT) -> float | None:
+    """Seconds of non-idle time summed over `cpus` since boot, from /proc/stat."""
+    text = _read(path)
+    if text is None:
+        return None
+    want = {f"cpu{c}" for c in cpus}
+    ticks = 0
+    found = 0
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if name in want:
+            f = [int(x) for x in rest.split()]
+            # user nice system idle iowait irq softirq steal (guest is inside user)
+            ticks += sum(f[:8]) - f[3] - (f[4] if len(f) > 4 else 0)
+            found += 1
+    if not found:
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class ThreadGovernor:
+    """The detector wired to the process: times each step, reads other processes' CPU use of
+    our CPUs from /proc/stat (their busy time minus ours), and applies its decisions with
+    torch.set_num_threads. One per worker."""
+
+    def __init__(self, plan: ThreadPlan, adjust: bool = True, clock=time.perf_counter,
+                 stat_path: str = PROC_STAT) -> None:
+        cpus = plan.usable_cpus
+        self.detector = ContentionDetector(plan.num_threads, len(cpus),
+                                           adjust=adjust and not plan.explicit)
+        self.cpus = cpus
+        self.clock = clock
+        self.stat_path = stat_path
+        self._last = self._sample()
+
+    def _sample(self):
+        return (self.clock(), _proc_stat_busy(self.cpus, self.stat_path), time.process_time())
+
+    def _others_busy(self) -> float | None:
+        now = self._sample()
+        (t0, b0, own0), (t1, b1, own1) = self._last, now
+        self._last = now
+        if b0 is None or b1 is None or t1 <= t0:
+            return None
+        return max(0.0, ((b1 - b0) - (own1 - own0)) / (t1 - t0))
+
+    def step(self, step_s: float, shape) -> None:
+        decision = self.detector.observe(self.clock(), step_s, shape, self._others_busy)
+        if decision is None:
+            return
+        if decision.warn and decision.warn not in _logged:
+            _logged.add(decision.warn)
+            logger.warning(decision.warn)
+        if decision.info:
+            logger.info(decision.info)
+        if decision.threads is not None:
+            import torch
+
+            torch.set_num_threads(decision.threads)
