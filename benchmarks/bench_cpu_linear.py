@@ -1,13 +1,26 @@
-"""The CPU decode linears side by side: our dispatcher (`vllm_cpu_linear::linear`, what eager
-and compiled models call) against torch's `F.linear`, on a model's whole set of linear weights
-(every decoder layer's fused QKV, output, fused gate/up and down projections, then the LM head),
-cold (2 GB for the Qwen2.5-0.5B shape, far beyond the caches), at a few decode batch sizes.
+"""The CPU decode linears side by side, per instruction-set level: our dispatcher
+(`vllm_cpu_linear::linear`, what eager and compiled models call) built for each ISA level the
+machine has (avx2, avx512, avx512_bf16: vllm/utils/cpu_info.py), against torch's `F.linear`,
+on a model's whole set of linear weights (every decoder layer's fused QKV, output, fused
+gate/up and down projections, then the LM head), cold (2 GB of float32 for the Qwen2.5-0.5B
+shape, far beyond the caches), at a few decode batch sizes.
 
-Rounds alternate the two, so the machine's bandwidth drift hits both alike; the ratio is the
-median over rounds of time(F.linear) / time(ours). GB/s = the weights' bytes over the fastest
-round. The read bandwidth of a 512 MiB float32 sum is measured with each round, as a yardstick.
+One process loads one ISA level of the kernels, so each level runs in a worker process of its
+own (VLLM_CPU_ISA=<level>), all alive at once; the parent drives them one at a time in
+interleaved rounds (the order rotates each round), so the machine's bandwidth drift hits every
+level alike. In every round each worker first measures the read bandwidth (a 512 MiB float32
+sum), then times our step and F.linear's. Reported per level and row count:
+- ms: the fastest round; GB/s: the weights' bytes over it;
+- of bandwidth: the median over rounds of (weights' bytes / our time) / that round's sum
+  bandwidth (the paired read rate: 1.0 = the kernel reads as fast as a plain sum);
+- vs F.linear and vs <first level>: medians over rounds of paired time ratios (>1 = faster).
 
     python benchmarks/bench_cpu_linear.py --shape qwen2.5-0.5b --rows 1 2 4 16
+    python benchmarks/bench_cpu_linear.py --isa avx2 avx512_bf16 --dtype bfloat16 --rounds 3
+
+`--compare-source old.cpp` adds, for every level, a worker whose kernels are built from another
+version of csrc/cpu_small_m_linear.cpp (e.g. `git show HEAD~1:<path> > old.cpp`), and a column
+"vs source": the paired ratio of that version's time to the current one's at the same level.
 """
 from __future__ import annotations
 
@@ -15,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -30,10 +44,138 @@ def model_weights(shape: str) -> list[tuple[int, int]]:
     cfg = SHAPES[shape]
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = hidden // heads
+    head_dim = cfg.get("head_dim", hidden // heads)
     layer = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
              (2 * inter, hidden), (hidden, inter)]
     return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One ISA level: answer each line on stdin (a row count) with one timed round as JSON."""
+    import torch
+    import torch.nn.functional as F
+
+    from vllm.model_executor.layers import cpu_linear
+    from vllm.model_executor.layers.cpu_linear import dispatch_linear, small_m_linear_available
+
+    torch.set_num_threads(args.threads)
+    if args.source:
+        cpu_linear._SOURCE = os.path.abspath(args.source)
+    if not small_m_linear_available():
+        sys.exit("the C++ linear kernels could not be built on this machine")
+    dtype = getattr(torch, args.dtype[0])
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k).to(dtype) for n, k in model_weights(args.shape)]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    probe = torch.ones(128 * 1024 * 1024)
+    xs_by_rows: dict[int, dict[int, torch.Tensor]] = {}
+
+    def step(linear, xs) -> float:
+        start = time.perf_counter()
+        for w in weights:
+            linear(xs[w.shape[1]], w)
+        return time.perf_counter() - start
+
+    print(json.dumps({"ready": True, "nbytes": nbytes,
+                      "isa": torch.ops.vllm_cpu_linear.isa()}), flush=True)
+    for line in sys.stdin:
+        rows = int(line)
+        xs = xs_by_rows.get(rows)
+        if xs is None:
+            xs = xs_by_rows[rows] = {k: torch.randn(rows, k).to(dtype)
+                                     for k in {w.shape[1] for w in weights}}
+            step(dispatch_linear, xs)  # warm-up: the kernels' first calls at this row count
+            step(F.linear, xs)
+        start = time.perf_counter()
+        probe.sum()
+        bandwidth = probe.numel() * 4 / (time.perf_counter() - start) / 1e9
+        ours = step(dispatch_linear, xs)
+        f_linear = step(F.linear, xs)
+        print(json.dumps({"bandwidth": bandwidth, "ours": ours, "f_linear": f_linear}),
+              flush=True)
+
+
+class Worker:
+    def __init__(self, isa: str, args: argparse.Namespace, dtype: str,
+                 source: str | None = None) -> None:
+        env = dict(os.environ, VLLM_CPU_ISA=isa)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shape", args.shape,
+               "--threads", str(args.threads), "--dtype", dtype]
+        if source:
+            cmd += ["--source", source]
+        self.isa = isa
+        self.label = f"{isa} ({os.path.basename(source)})" if source else isa
+        self.twin: Worker | None = None  # the same level built from --compare-source
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        hello = self.read()
+        if hello.get("isa") != isa:
+            raise RuntimeError(f"worker for {isa} loaded kernels built for {hello.get('isa')}")
+        self.nbytes = hello["nbytes"]
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.isa} worker exited (rc {self.proc.wait()})")
+        return json.loads(line)
+
+    def round(self, rows: int) -> dict:
+        self.proc.stdin.write(f"{rows}\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def run_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[dict], float]:
+    workers = []
+    try:
+        for isa in args.isa:  # one at a time: their builds and weights do not overlap
+            workers.append(Worker(isa, args, dtype))
+            if args.compare_source:
+                workers.append(Worker(isa, args, dtype, args.compare_source))
+                workers[-2].twin = workers[-1]
+        nbytes = workers[0].nbytes
+        results = []
+        for rows in args.rows:
+            for w in workers:
+                w.round(rows)  # warm-up round
+            rounds: dict[str, list[dict]] = {w.label: [] for w in workers}
+            for r in range(args.rounds):
+                order = workers[r % len(workers):] + workers[:r % len(workers)]
+                for w in order:
+                    rounds[w.label].append(w.round(rows))
+            base = rounds[workers[0].label]
+            for w in workers:
+                rs = rounds[w.label]
+                ours = [x["ours"] for x in rs]
+                twin = rounds[w.twin.label] if w.twin else None
+                results.append({
+                    "dtype": dtype, "isa": w.label, "rows": rows,
+                    "ours_ms": min(ours) * 1e3,
+                    "ours_gbs": nbytes / min(ours) / 1e9,
+                    "f_linear_ms": min(x["f_linear"] for x in rs) * 1e3,
+                    "of_bandwidth": statistics.median(nbytes / x["ours"] / 1e9 / x["bandwidth"]
+                                                      for x in rs),
+                    "sum_bandwidth_gbs": statistics.median(x["bandwidth"] for x in rs),
+                    "vs_f_linear": statistics.median(x["f_linear"] / x["ours"] for x in rs),
+                    "vs_first_isa": statistics.median(b["ours"] / x["ours"]
+                                                      for b, x in zip(base, rs)),
+                    "vs_source": (statistics.median(t["ours"] / x["ours"]
+                                                    for t, x in zip(twin, rs)) if twin else None),
+                })
+                r = results[-1]
+                print(f"{dtype} {w.label:12s} {rows:3d} rows: {r['ours_ms']:.1f} ms "
+                      f"({r['ours_gbs']:.0f} GB/s, {r['of_bandwidth']:.0%} of the sum's "
+                      f"{r['sum_bandwidth_gbs']:.0f} GB/s), x{r['vs_f_linear']:.2f} F.linear, "
+                      f"x{r['vs_first_isa']:.2f} {workers[0].label}"
+                      + (f", x{r['vs_source']:.2f} vs source" if twin else ""), flush=True)
+        return results, nbytes
+    finally:
+        for w in workers:
+            w.close()
 
 
 def main() -> None:
@@ -42,72 +184,62 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "cpu_linear"))
+    parser.add_argument("--isa", nargs="+", default=None,
+                        help="ISA levels to compare (default: every level this CPU has)")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "cpu_linear_isa"))
+    parser.add_argument("--compare-source", default=None,
+                        help="another cpu_small_m_linear.cpp to build and compare at each level")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--source", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    from vllm.utils.cpu_info import cpu_isa_level, supported_isa_levels
+
+    if args.isa is None:
+        args.isa = supported_isa_levels()
+    for isa in args.isa:
+        cpu_isa_level(forced=isa)  # a ValueError naming the allowed levels
+    if not args.isa:
+        sys.exit("this CPU has none of the ISA levels (avx2, avx512, avx512_bf16)")
+    results, sizes = [], {}
+    for dtype in args.dtype:
+        rs, sizes[dtype] = run_dtype(args, dtype)
+        results += rs
 
     import torch
-    import torch.nn.functional as F
 
-    from vllm.model_executor.layers.cpu_linear import dispatch_linear, small_m_linear_available
+    from vllm.utils.cpu_info import best_isa_level
 
-    torch.set_num_threads(args.threads)
-    if not small_m_linear_available():
-        sys.exit("the C++ linear kernels could not be built on this machine")
-    torch.manual_seed(0)
-    weights = [torch.randn(n, k) for n, k in model_weights(args.shape)]
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    probe = torch.ones(128 * 1024 * 1024)
-
-    def step(linear, xs) -> float:
-        start = time.perf_counter()
-        for w in weights:
-            linear(xs[w.shape[1]], w)
-        return time.perf_counter() - start
-
-    results = []
-    for rows in args.rows:
-        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
-        times: dict[str, list[float]] = {"ours": [], "F.linear": []}
-        bandwidth = []
-        step(dispatch_linear, xs)  # warm-up: the kernels' first calls, the weights' first reads
-        step(F.linear, xs)
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            probe.sum()
-            bandwidth.append(probe.numel() * 4 / (time.perf_counter() - start) / 1e9)
-            times["ours"].append(step(dispatch_linear, xs))
-            times["F.linear"].append(step(F.linear, xs))
-        ratio = statistics.median(b / a for a, b in zip(times["ours"], times["F.linear"]))
-        results.append({
-            "rows": rows,
-            "ours_ms": min(times["ours"]) * 1e3,
-            "f_linear_ms": min(times["F.linear"]) * 1e3,
-            "ours_gbs": nbytes / min(times["ours"]) / 1e9,
-            "f_linear_gbs": nbytes / min(times["F.linear"]) / 1e9,
-            "ours_vs_f_linear": ratio,
-            "sum_bandwidth_gbs": statistics.median(bandwidth),
-        })
-        r = results[-1]
-        print(f"{rows:3d} rows: ours {r['ours_ms']:.1f} ms ({r['ours_gbs']:.0f} GB/s), F.linear "
-              f"{r['f_linear_ms']:.1f} ms ({r['f_linear_gbs']:.0f} GB/s), ours x{ratio:.2f}; "
-              f"sum bandwidth {r['sum_bandwidth_gbs']:.0f} GB/s", flush=True)
-
-    meta = {"shape": args.shape, "weights_gb": nbytes / 1e9, "threads": args.threads,
-            "rounds": args.rounds, "torch": torch.__version__}
+    meta = {"shape": args.shape, "weights_gb": {d: n / 1e9 for d, n in sizes.items()},
+            "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
+            "cpu_best_isa": best_isa_level(), "isa": args.isa,
+            "compare_source": args.compare_source}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
-    lines = [f"All linears of one decode step of the {args.shape} shape ({nbytes / 1e9:.2f} GB of "
-             f"float32 weights, cold), {args.threads} threads, {args.rounds} alternating rounds "
-             "(`python benchmarks/bench_cpu_linear.py`). ours = `vllm_cpu_linear::linear` "
-             "(small-M kernel up to 4 rows, oneDNN above); times are the fastest round, the "
-             "ratio the median over rounds; sum bandwidth = a 512 MiB float32 sum, per round.",
-             "", "| rows | ours (ms) | ours (GB/s) | F.linear (ms) | F.linear (GB/s) | "
-             "ours vs F.linear | sum bandwidth (GB/s) |", "|---|---|---|---|---|---|---|"]
+    weights = ", ".join(f"{n / 1e9:.2f} GB of {d}" for d, n in sizes.items())
+    lines = [f"All linears of one decode step of the {args.shape} shape ({weights} weights, "
+             f"cold), {args.threads} threads, {args.rounds} interleaved rounds, the kernels "
+             f"built for each ISA level in a worker process of its own (CPU's best level: "
+             f"{meta['cpu_best_isa']}; `python benchmarks/bench_cpu_linear.py`). ours = "
+             "`vllm_cpu_linear::linear` (small-M kernel for a few rows, oneDNN or aten above); "
+             "ms and GB/s from the fastest round; of bandwidth = median over rounds of our read "
+             "rate / the same round's 512 MiB float32 sum rate; the ratios are medians over "
+             f"rounds of paired times (>1: ours / this level faster).", "",
+             f"| dtype | ISA | rows | ours (ms) | ours (GB/s) | of bandwidth | "
+             f"sum bandwidth (GB/s) | F.linear (ms) | vs F.linear | vs {args.isa[0]} | "
+             "vs source |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['rows']} | {r['ours_ms']:.1f} | {r['ours_gbs']:.0f} | "
-                     f"{r['f_linear_ms']:.1f} | {r['f_linear_gbs']:.0f} | "
-                     f"x{r['ours_vs_f_linear']:.2f} | {r['sum_bandwidth_gbs']:.0f} |")
+        vs_source = f"x{r['vs_source']:.2f}" if r["vs_source"] else ""
+        lines.append(f"| {r['dtype']} | {r['isa']} | {r['rows']} | {r['ours_ms']:.1f} | "
+                     f"{r['ours_gbs']:.0f} | {r['of_bandwidth']:.0%} | "
+                     f"{r['sum_bandwidth_gbs']:.0f} | {r['f_linear_ms']:.1f} | "
+                     f"x{r['vs_f_linear']:.2f} | x{r['vs_first_isa']:.2f} | {vs_source} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {args.out}.md and .json")

@@ -22,7 +22,6 @@ from typing import Any
 
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import (
-    ATTENTION_OP_NAME,
     CompilationConfig,
     CompilationMode,
     CUDAGraphMode,
@@ -48,7 +47,7 @@ __all__ = ["VllmConfig", "OptimizationLevel", "ConfigSource", "Provenance",
            "OPTIMIZATION_LEVEL_TO_CONFIG"]
 
 # The attention custom op: the default split point for piecewise compilation.
-ATTENTION_OPS = [ATTENTION_OP_NAME]
+ATTENTION_OPS = CompilationConfig._attention_ops
 
 # Leaves outside the level table whose provenance is also reported.
 DERIVED_FIELDS = ("compilation_config.backend", "compilation_config.custom_ops",
@@ -292,26 +291,12 @@ class VllmConfig:
         self._set_splitting_ops()
 
     def _set_splitting_ops(self) -> None:
-        cc, pc = self.compilation_config, self.compilation_config.pass_config
-        if cc.mode != CompilationMode.VLLM_COMPILE:
-            if cc.splitting_ops is None:
-                self._set("compilation_config.splitting_ops", [],
-                          Provenance(ConfigSource.DERIVED, "no piecewise compile",
-                                     "mode is not VLLM_COMPILE"))
-            return
-        if pc.fuse_attn_quant:
-            if cc.splitting_ops is None:
-                self._set("compilation_config.splitting_ops", [], Provenance(
-                    ConfigSource.DERIVED, "fuse_attn_quant", "attention+quant fusion needs "
-                    "attention inside the compiled graph"))
-            elif set(ATTENTION_OPS) <= set(cc.splitting_ops):
-                raise ValueError(
-                    "compilation_config.pass_config.fuse_attn_quant=True needs the attention op "
-                    f"inside the compiled graph, but splitting_ops={cc.splitting_ops} splits at "
-                    "it; remove it from splitting_ops.")
-        elif cc.splitting_ops is None:
-            self._set("compilation_config.splitting_ops", list(ATTENTION_OPS), Provenance(
-                ConfigSource.DERIVED, "default split points", "split the graph at attention"))
+        cc, pc = self.compilation_config, self.parallel_config
+        filled = cc.set_splitting_ops_for_v1(data_parallel_size=pc.data_parallel_size)
+        if filled is not None:
+            label, reason = filled
+            self.provenance["compilation_config.splitting_ops"] = Provenance(
+                ConfigSource.DERIVED, label, reason)
 
     def _resolve_cudagraph_mode(self) -> None:
         """What the compiled model and the attention backend can capture. (A platform without
@@ -510,9 +495,14 @@ class VllmConfig:
         """The one start-up line: level, compile mode, CUDA-graph mode, enabled passes."""
         cc = self.compilation_config
         passes = ", ".join(cc.pass_config.enabled_passes()) or "none"
-        return (f"Optimization level O{int(self.optimization_level)}: compilation mode "
+        line = (f"Optimization level O{int(self.optimization_level)}: compilation mode "
                 f"{cc.mode.name}, backend {cc.backend}, CUDA graphs {cc.cudagraph_mode}, "
                 f"passes: {passes}, platform {self.platform.device_name}")
+        if self.platform.device_name == "cpu":  # the C++ kernels' instruction set (VLLM_CPU_ISA)
+            from vllm.utils.cpu_kernels import kernels_isa_level
+
+            line += f", CPU kernels {kernels_isa_level()}"
+        return line
 
     def compute_hash(self) -> str:
         """Everything that changes the compiled graph, nothing that does not (memory sizing,

@@ -5,15 +5,25 @@
         torch.ops.<namespace>.<op>(...)
 
 A kernel source registers its ops with `TORCH_LIBRARY` itself. The library is built with
-`torch.utils.cpp_extension.load` once per machine (seconds to tens of seconds) in
-`<VLLM_CACHE_ROOT>/cpu_kernels_<name>/<hash>`; the hash covers the source, the compiler flags,
-the torch version and the CPU's instruction-set flags (the code is built with -march=native),
-so a changed source or another machine never loads a stale library. Loading a built library
-takes milliseconds. When VLLM_CACHE_ROOT points elsewhere (tests, benchmarks with a fresh cache
-root), the identical build in the default root (~/.cache/vllm) is loaded instead of building
-again: the hash makes it the same library. A failed build (no compiler, no headers) is logged
-once and returns False: callers keep their plain-torch path. Setting the kernel's environment
-switch to 0 disables it.
+`torch.utils.cpp_extension.load` once per machine and instruction-set level (seconds to tens of
+seconds) in `<VLLM_CACHE_ROOT>/cpu_kernels_<name>/<level>-<hash>`.
+
+Instruction-set levels (vllm/utils/cpu_info.py): every library is built for one level with
+that level's explicit flags (avx2: -mavx2 -mfma -mf16c ...; avx512: + AVX-512 F/BW/VL/DQ;
+avx512_bf16: + AVX512-BF16), never -march=native, so an AVX-512 machine builds, tests and
+measures the AVX2 code too. The level is the best the CPU has, or a lower one forced with
+VLLM_CPU_ISA=avx2|avx512|avx512_bf16 (a level the CPU lacks is a ValueError). Two builds of
+one library register the same op namespace, so a process loads all its kernels at one level:
+the first load fixes it (`kernels_isa_level()`), and is logged once. A CPU below AVX2 (or not
+x86) builds with -march=native (level "native").
+
+The hash covers the source, the compiler flags, the torch version and the CPU's flags (the
+code is tuned with -mtune=native), so a changed source or another machine never loads a stale
+library. Loading a built library takes milliseconds. When VLLM_CACHE_ROOT points elsewhere
+(tests, benchmarks with a fresh cache root), the identical build in the default root
+(~/.cache/vllm) is loaded instead of building again: the hash makes it the same library. A
+failed build (no compiler, no headers) is logged once and returns False: callers keep their
+plain-torch path. Setting the kernel's environment switch to 0 disables it.
 """
 from __future__ import annotations
 
@@ -23,16 +33,45 @@ import threading
 import time
 
 from vllm.logger import init_logger
-from vllm.utils.cpu_info import cpu_flags_text
+from vllm.utils.cpu_info import cpu_flags_text, cpu_isa_level, isa_level
 from vllm.utils.file_utils import atomic_write
 from vllm.utils.progress import waiting
 
 logger = init_logger(__name__)
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+"""Flags of every build; the level's instruction-set flags (and -mtune=native) come after."""
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
+_loaded_isa: dict[str, str] = {}
+_process_isa: str | None = None
+
+
+def kernels_isa_level() -> str:
+    """The instruction-set level this process builds and loads its C++ kernels for (fixed by
+    the first call: VLLM_CPU_ISA or the CPU's best level). A ValueError for a VLLM_CPU_ISA
+    the CPU cannot run."""
+    global _process_isa
+    if _process_isa is None:
+        level = cpu_isa_level()
+        with _lock:
+            if _process_isa is None:
+                _process_isa = level
+    return _process_isa
+
+
+def isa_cflags(level: str) -> list[str]:
+    """The compiler flags of a library built for `level` (e.g. "avx2")."""
+    flags = list(CFLAGS) + list(isa_level(level).cflags)
+    if level != "native":
+        flags.append("-mtune=native")  # scheduling for this CPU; the instruction set stays
+    return flags
+
+
+def loaded_isa_level(name: str) -> str | None:
+    """The level the library `name` was built for, when this process loaded it."""
+    return _loaded_isa.get(name)
 
 
 def _default_cache_root() -> str:
@@ -50,10 +89,17 @@ def load_cpu_extension(name: str, source_path: str, env_switch: str,
     source when headers are pasted in, saved under that file name); True when its ops are
     registered. Thread-safe; one try per process and name."""
     if name not in _loaded:
+        level = None if switched_off(env_switch) else kernels_isa_level()
         with _lock:
             if name not in _loaded:
-                _loaded[name] = False if switched_off(env_switch) else _build_and_load(
-                    name, source_path, source_text)
+                ok = level is not None and _build_and_load(name, source_path, source_text, level)
+                if ok:
+                    _loaded_isa[name] = level
+                    if len(_loaded_isa) == 1:
+                        logger.info("CPU kernels built for the instruction set %s%s", level,
+                                    " (VLLM_CPU_ISA)" if os.environ.get("VLLM_CPU_ISA", "").strip()
+                                    else "")
+                _loaded[name] = ok
     return _loaded[name]
 
 
@@ -62,7 +108,7 @@ def cpu_extension_loaded(name: str) -> bool:
     return _loaded.get(name, False)
 
 
-def _build_and_load(name: str, source_path: str, source_text: str | None) -> bool:
+def _build_and_load(name: str, source_path: str, source_text: str | None, level: str) -> bool:
     try:
         import torch
 
@@ -72,10 +118,11 @@ def _build_and_load(name: str, source_path: str, source_text: str | None) -> boo
             with open(source_path) as f:
                 source_text = f.read()
         source = source_text
-        digest = hashlib.sha256("\n".join([source, " ".join(CFLAGS), torch.__version__,
+        cflags = isa_cflags(level)
+        digest = hashlib.sha256("\n".join([source, " ".join(cflags), torch.__version__,
                                            cpu_flags_text()]).encode()).hexdigest()[:16]
-        ext_name = f"vllm_{name}_{digest}"
-        subdir = os.path.join(f"cpu_kernels_{name}", digest)
+        ext_name = f"vllm_{name}_{level}_{digest}"
+        subdir = os.path.join(f"cpu_kernels_{name}", f"{level}-{digest}")
         directory = os.path.join(envs.VLLM_CACHE_ROOT, subdir)
         for root in dict.fromkeys([envs.VLLM_CACHE_ROOT, _default_cache_root()]):
             built = os.path.join(root, subdir, f"{ext_name}.so")
@@ -94,11 +141,11 @@ def _build_and_load(name: str, source_path: str, source_text: str | None) -> boo
 
         start = time.perf_counter()
         # Tens of seconds on a busy machine (the first start on it): say so while it lasts.
-        with waiting(logger, f"Building the CPU kernel {name}",
-                     announce=f"Building the CPU kernel {name} (once per machine: up to a "
-                     "minute or two on a busy one) ...",
-                     done=f"Built the CPU kernel {name} into {directory}"):
-            load(name=ext_name, sources=[path], extra_cflags=CFLAGS,
+        with waiting(logger, f"Building the CPU kernel {name} ({level})",
+                     announce=f"Building the CPU kernel {name} for {level} (once per machine: "
+                     "up to a minute or two on a busy one) ...",
+                     done=f"Built the CPU kernel {name} ({level}) into {directory}"):
+            load(name=ext_name, sources=[path], extra_cflags=cflags,
                  extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
                  verbose=False)
         elapsed = time.perf_counter() - start

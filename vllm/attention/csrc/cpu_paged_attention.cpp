@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -565,9 +566,23 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
                   out.as_strided({T, H, D}, {out.stride(0), D, 1}), window, soft_cap);
 }
 
+// The instruction-set level this library was compiled for (vllm/utils/cpu_info.py's names).
+std::string isa_level() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "native";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_cpu_attn, m) {
+  m.def("isa() -> str", &isa_level);
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor req_indices, float scale, Tensor(a!) out, "

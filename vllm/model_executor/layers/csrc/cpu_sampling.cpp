@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 
 namespace {
 
@@ -66,9 +67,23 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// The instruction-set level this library was compiled for (vllm/utils/cpu_info.py's names).
+std::string isa_level() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "native";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_cpu_sampling, m) {
+  m.def("isa() -> str", &isa_level);
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 }
