@@ -22,6 +22,7 @@ from typing import Any
 
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import (
+    ATTENTION_OP_NAME,
     CompilationConfig,
     CompilationMode,
     CUDAGraphMode,
@@ -47,7 +48,7 @@ __all__ = ["VllmConfig", "OptimizationLevel", "ConfigSource", "Provenance",
            "OPTIMIZATION_LEVEL_TO_CONFIG"]
 
 # The attention custom op: the default split point for piecewise compilation.
-ATTENTION_OPS = CompilationConfig._attention_ops
+ATTENTION_OPS = [ATTENTION_OP_NAME]
 
 # Leaves outside the level table whose provenance is also reported.
 DERIVED_FIELDS = ("compilation_config.backend", "compilation_config.custom_ops",
@@ -291,12 +292,26 @@ class VllmConfig:
         self._set_splitting_ops()
 
     def _set_splitting_ops(self) -> None:
-        cc, pc = self.compilation_config, self.parallel_config
-        filled = cc.set_splitting_ops_for_v1(data_parallel_size=pc.data_parallel_size)
-        if filled is not None:
-            label, reason = filled
-            self.provenance["compilation_config.splitting_ops"] = Provenance(
-                ConfigSource.DERIVED, label, reason)
+        cc, pc = self.compilation_config, self.compilation_config.pass_config
+        if cc.mode != CompilationMode.VLLM_COMPILE:
+            if cc.splitting_ops is None:
+                self._set("compilation_config.splitting_ops", [],
+                          Provenance(ConfigSource.DERIVED, "no piecewise compile",
+                                     "mode is not VLLM_COMPILE"))
+            return
+        if pc.fuse_attn_quant:
+            if cc.splitting_ops is None:
+                self._set("compilation_config.splitting_ops", [], Provenance(
+                    ConfigSource.DERIVED, "fuse_attn_quant", "attention+quant fusion needs "
+                    "attention inside the compiled graph"))
+            elif set(ATTENTION_OPS) <= set(cc.splitting_ops):
+                raise ValueError(
+                    "compilation_config.pass_config.fuse_attn_quant=True needs the attention op "
+                    f"inside the compiled graph, but splitting_ops={cc.splitting_ops} splits at "
+                    "it; remove it from splitting_ops.")
+        elif cc.splitting_ops is None:
+            self._set("compilation_config.splitting_ops", list(ATTENTION_OPS), Provenance(
+                ConfigSource.DERIVED, "default split points", "split the graph at attention"))
 
     def _resolve_cudagraph_mode(self) -> None:
         """What the compiled model and the attention backend can capture. (A platform without
