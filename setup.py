@@ -37,7 +37,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis", "hypothesis-jsonschema", "openai", "ruff",
-                 "matplotlib"],
+                 "matplotlib", "ray[default]"],
+        "ray": ["ray[default]"],
         "cuda": ["triton"],
         "bench": ["llama-cpp-python", "gguf"],
     },

@@ -84,7 +84,17 @@ def compute_cache_factors(vllm_config: VllmConfig, model_source_files: list[str]
         "passes": pass_manager_uuid,
         "machine": f"{platform.machine()}-{cpu_fingerprint()}",
         "accelerator": _accelerator(vllm_config),
+        "pipeline_stage": _pipeline_stage(),
     }
+
+
+def _pipeline_stage() -> str:
+    """"stage/stages": each pipeline stage compiles its own layers (the entry's rank_<r>
+    directory is the tensor-parallel rank, the same on every stage)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    group = get_pp_group()
+    return f"{group.rank_in_group}/{group.world_size}"
 
 
 def _accelerator(vllm_config: VllmConfig) -> str:

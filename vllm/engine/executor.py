@@ -99,13 +99,17 @@ class UniProcExecutor(Executor):
         cc, sc = self.vllm_config.cache_config, self.vllm_config.scheduler_config
         usable = self.num_blocks - 1
         tokens = usable * cc.block_size
-        size = self.num_blocks * self.worker.block_bytes
+        block_bytes, kv_source = self._kv_info()
+        size = self.num_blocks * block_bytes
         size_text = f"{size / GiB:.2f} GiB" if size >= GiB / 10 else f"{size / 2**20:.2f} MiB"
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %s, %d bytes per block; %s); "
             "maximum concurrency for %d-token requests: %.2fx", usable, cc.block_size, tokens,
-            size_text, self.worker.block_bytes, self.worker.kv_source, sc.max_model_len,
-            tokens / sc.max_model_len)
+            size_text, block_bytes, kv_source, sc.max_model_len, tokens / sc.max_model_len)
+
+    def _kv_info(self) -> tuple[int, str]:
+        """(bytes per KV block, where the cache size came from) of rank 0."""
+        return self.worker.block_bytes, self.worker.kv_source
 
     @property
     def model(self):
