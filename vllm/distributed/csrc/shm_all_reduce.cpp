@@ -23,6 +23,8 @@
 // cache: the reduced activations are read once. The dtype roundings follow RMSNorm's native
 // form (vllm/model_executor/layers/layernorm.py): reduced sum rounded to the model dtype, the
 // residual add and the norm in float32, the normalised value rounded before the weight.
+#include <Python.h>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -41,6 +43,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <fstream>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -201,6 +204,33 @@ void detach(int64_t handle) {
   if (map && map->base != nullptr) munmap(map->base, map->size);
 }
 
+// Whether process `pid` is gone: no such process, or a zombie (a worker that died before its
+// parent, often this rank's process, reaped it).
+bool process_gone(int64_t pid) {
+  if (pid <= 0) return false;
+  if (kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!std::getline(stat, text)) return false;
+  const size_t paren = text.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= text.size()) return false;
+  const char state = text[paren + 2];
+  return state == 'Z' || state == 'X';
+}
+
+// Releases the GIL (if this thread holds it) for a long wait, so the process's other Python
+// threads (the engine's health monitor, a server's event loop) run meanwhile; takes it back
+// on leaving the scope, also when the wait throws.
+struct GilRelease {
+  PyThreadState* state = nullptr;
+  void release() {
+    if (state == nullptr && Py_IsInitialized() && PyGILState_Check()) state = PyEval_SaveThread();
+  }
+  ~GilRelease() {
+    if (state != nullptr) PyEval_RestoreThread(state);
+  }
+};
+
 // Step 3: wait until every rank arrived at `gen`. Spins ~a few microseconds (a decode-sized
 // all-reduce usually completes within that), then yields the core, then sleeps with a growing
 // back-off (up to 1 ms) so that a rank waiting for a slow peer (a compile) burns no core.
@@ -221,6 +251,8 @@ void wait_all(Mapping& m, uint64_t gen) {
       VLLM_CPU_RELAX();
     }
     if (spins < 4096) continue;
+    GilRelease gil;
+    gil.release();
     const auto start = clock::now();
     auto last_check = start;
     long sleep_ns = 1000;
@@ -237,7 +269,7 @@ void wait_all(Mapping& m, uint64_t gen) {
       if (now - last_check > std::chrono::milliseconds(100)) {
         last_check = now;
         const int64_t pid = m.pids[r];
-        if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        if (process_gone(pid)) {
           TORCH_CHECK(false, "shared-memory all-reduce: tensor-parallel rank ", r, " (pid ",
                       pid, ") exited while rank ", m.rank, " waited for it");
         }
