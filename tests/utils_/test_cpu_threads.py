@@ -447,3 +447,20 @@ def test_import_vllm_sets_policy_before_torch(tmp_path):
                          env={**env, "VLLM_CPU_OMP_WAIT_POLICY": "passive",
                               "OMP_WAIT_POLICY": "ACTIVE"}, check=True)
     assert out.stdout.strip() == "ACTIVE"
+
+
+def test_busy_since_start_acts_at_the_first_window():
+    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    det.start(0.0)
+    d = det.end_window(3.0, lambda: 1.0)  # the start-up (3 s) with CPU 1 taken throughout
+    assert d.threads == 1 and d.warn
+
+
+def test_between_thresholds_keeps_the_current_count():
+    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    det.start(0.0)
+    assert det.end_window(1.0, 1.0).threads == 1
+    for t in range(2, 10):  # 0.4 CPUs: neither contention nor calm
+        assert det.end_window(float(t), 0.4) is None
+    assert det.threads == 1
+    assert det.end_window(10.6, 0.1).threads == 2  # 0.6 s calm

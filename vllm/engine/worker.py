@@ -193,6 +193,8 @@ class Worker:
         from vllm.utils.startup_timer import get_startup_timer
 
         self.model_runner.compile_or_warm_up_model()
+        if self._thread_governor is not None:
+            self._thread_governor.poll()  # busy CPUs since the start: act before requests
         # The weights queued while loading (CPU, -O2/-O3) are finished after ready: until then
         # their products take the plain weights' routes.
         pending = finish_prepacking_in_background()

@@ -421,29 +421,31 @@ class ContentionDetector:
 
     Every `window_s` (and at least `min_steps` steps) the caller reports `others_busy`, the
     CPUs' worth of time other processes used on our CPUs in that window. Contention starts
-    after `enter_windows` windows in a row in which others kept at least `busy_on` CPUs busy
-    while we run more threads than the CPUs left to us; or, where `others_busy` is unknown,
-    when the window's median step is `slow_factor` x slower than the best seen at the same
-    batch shape and thread count. It ends after `leave_windows` windows with others below
-    `busy_off`. `adjust=False` (the user chose the thread count): warn only.
+    once windows in a row covering at least `enter_s` seconds show others keeping at least
+    `busy_on` CPUs busy while we run more threads than the CPUs left to us (the first window
+    runs from the engine's start, so a process already busy before it is seen at the first
+    step); or, where `others_busy` is unknown, when the windows' median step is `slow_factor`
+    x slower than the best seen at the same batch shape and thread count. It ends after
+    `leave_s` seconds of windows with others below `busy_off`. `adjust=False` (the user chose
+    the thread count): warn only.
     """
 
     full_threads: int
     num_cpus: int
     adjust: bool = True
     window_s: float = 0.25
-    min_steps: int = 2
+    min_steps: int = 1
     busy_on: float = 0.6
     busy_off: float = 0.3
-    enter_windows: int = 2
-    leave_windows: int = 2
+    enter_s: float = 0.5
+    leave_s: float = 0.5
     slow_factor: float = 3.0
     threads: int = 0
     _best: dict = field(default_factory=dict)
     _ratios: list = field(default_factory=list)
     _window_start: float | None = None
-    _busy_run: int = 0
-    _calm_run: int = 0
+    _busy_run: float = 0.0
+    _calm_run: float = 0.0
     warned: bool = False
 
     def __post_init__(self) -> None:
@@ -466,28 +468,40 @@ class ContentionDetector:
         if now - self._window_start < self.window_s or len(self._ratios) < self.min_steps:
             return None
         slow = statistics.median(self._ratios)
+        return self.end_window(now, others_busy, slow)
+
+    def start(self, now: float) -> None:
+        """Open the first window at `now` (the engine's start)."""
+        self._window_start = now
+
+    def end_window(self, now: float, others_busy=None, slow: float = 1.0) -> Decision | None:
+        """Close the window at `now` (also without a step: after the warm-up)."""
+        duration = now - (self._window_start if self._window_start is not None else now)
         self._ratios.clear()
         self._window_start = now
         busy = others_busy() if callable(others_busy) else others_busy
-        return self.decide(busy, slow)
+        return self.decide(busy, slow, duration)
 
-    def decide(self, busy: float | None, slow: float) -> Decision | None:
+    def decide(self, busy: float | None, slow: float,
+               duration: float | None = None) -> Decision | None:
         """A window's verdict: `busy` other processes' CPUs' worth (None: unknown), `slow` the
-        window's median step time over the best at the same shape and threads."""
+        window's median step time over the best at the same shape and threads, `duration`
+        its length in seconds (default `window_s`)."""
+        duration = self.window_s if duration is None else duration
         left = self.num_cpus - (busy or 0.0)
         if self.threads < self.full_threads:  # contended now: is it over?
             if busy is not None and busy < self.busy_off:
-                self._calm_run += 1
-                if self._calm_run >= self.leave_windows:
-                    self._calm_run = self._busy_run = 0
+                self._calm_run += duration
+                if self._calm_run >= self.leave_s - 1e-9:
+                    self._calm_run = self._busy_run = 0.0
                     old, self.threads = self.threads, self.full_threads
                     return Decision(threads=self.full_threads, info=(
                         f"CPU contention over (other processes now use {busy:.2f} CPUs): back "
                         f"to {self.full_threads} threads from {old}"))
                 return None
-            self._calm_run = 0
+            self._calm_run = 0.0
             target = max(1, min(self.full_threads, math.floor(left + 0.5)))
-            if busy is not None and target != self.threads:
+            if busy is not None and busy >= self.busy_on and target < self.threads:
                 self.threads = target
                 return Decision(threads=target)
             return None
@@ -496,12 +510,12 @@ class ContentionDetector:
         if busy is None:
             contended = slow >= self.slow_factor
         if not contended:
-            self._busy_run = 0
+            self._busy_run = 0.0
             return None
-        self._busy_run += 1
-        if self._busy_run < self.enter_windows:
+        self._busy_run += duration
+        if self._busy_run < self.enter_s - 1e-9:
             return None
-        self._busy_run = 0
+        self._busy_run = 0.0
         target = max(1, min(self.full_threads, math.floor(left + 0.5)))
         decision = Decision()
         if self.adjust and busy is not None and target < self.threads:
@@ -561,6 +575,7 @@ class ThreadGovernor:
         self.clock = clock
         self.stat_path = stat_path
         self._last = self._sample()
+        self.detector.start(self._last[0])
 
     def _sample(self):
         return (self.clock(), _proc_stat_busy(self.cpus, self.stat_path), time.process_time())
@@ -574,7 +589,15 @@ class ThreadGovernor:
         return max(0.0, ((b1 - b0) - (own1 - own0)) / (t1 - t0))
 
     def step(self, step_s: float, shape) -> None:
-        decision = self.detector.observe(self.clock(), step_s, shape, self._others_busy)
+        """After each step: `step_s` its time, `shape` its batch (tokens, requests)."""
+        self._apply(self.detector.observe(self.clock(), step_s, shape, self._others_busy))
+
+    def poll(self) -> None:
+        """Close a window without a step (after the warm-up: a process that was busy on our
+        CPUs since the engine started is acted on before the first request)."""
+        self._apply(self.detector.end_window(self.clock(), self._others_busy))
+
+    def _apply(self, decision: Decision | None) -> None:
         if decision is None:
             return
         if decision.warn and decision.warn not in _logged:
