@@ -54,6 +54,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -63,39 +64,66 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int kTileN = 4;                 // weight rows side by side when x is large
+// Vector width and tiles per instruction set (the library is built for one ISA level:
+// vllm/utils/cpu_kernels.py). AVX-512 has 32 registers of 64 bytes; AVX2 has 16 of 32 bytes,
+// and 64-byte vectors there are pairs of ymm registers: a 4 x 4 tile's 16 accumulators alone
+// would take 32 of its 16 registers (spilled every step), so AVX2 uses 32-byte vectors and
+// 2 x 4 tiles (8 accumulators, the x rows and the weight vectors fit beside them).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+constexpr int kTileN = 4;  // weight rows side by side when x is large
+#else
+constexpr int kVecBytes = 32;
+constexpr int kTileN = 2;
+#endif
+constexpr int kLanes = kVecBytes / 4;     // floats per vector
 constexpr int kTileM = 4;                 // x rows per pass over a block of the weight
 constexpr int64_t kDotMinRows = 3;        // fewer rows keep the widening loop
 constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the read one stream prefetches
 constexpr int64_t kStreamL1Bytes = 20480;  // x (as float) + 2 weight rows, for one stream
+constexpr int kLineBytes = 64;
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu32 __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
+typedef float vf __attribute__((vector_size(kVecBytes)));
+typedef uint32_t vu32 __attribute__((vector_size(kVecBytes)));
 
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline vf load(const c10::BFloat16* p) {
-  vu16 raw;
+// 2 * kLanes weight elements from p as two float vectors (a, b), matched by x's float buffer
+// (run_widen) at the same offsets p - w, p - w + kLanes:
+// - float32: p[0, kLanes) and p[kLanes, 2 kLanes), x stored as is;
+// - bfloat16: one vector of 2 * kLanes, widened with two integer ops and no shuffle (a
+//   bfloat16 is a float's high half): the even elements (each 32-bit lane shifted left by
+//   16) and the odd ones (the lane's low half cleared); x's buffer holds each block of
+//   2 * kLanes elements in that order, evens then odds. (Widening in element order takes a
+//   cross-lane shuffle per vector: vpmovzxwd, which AVX2 CPUs run on one port.)
+inline void load2(const float* p, vf& a, vf& b) {
+  a = load(p);
+  b = load(p + kLanes);
+}
+inline void load2(const c10::BFloat16* p, vf& a, vf& b) {
+  vu32 raw;
   std::memcpy(&raw, p, sizeof(raw));
-  const vu32 wide = __builtin_convertvector(raw, vu32) << 16;
-  vf v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
+  const vu32 even = raw << 16;
+  const vu32 odd = raw & 0xffff0000u;
+  std::memcpy(&a, &even, sizeof(a));
+  std::memcpy(&b, &odd, sizeof(b));
 }
 inline float scalar(float v) { return v; }
 inline float scalar(c10::BFloat16 v) { return static_cast<float>(v); }
-// Lanes summed pairwise (a tree of 4 vector adds, not a chain of 15 dependent scalar adds:
-// without -ffast-math the compiler keeps a written loop's order).
+// Lanes summed pairwise (a tree of vector adds, not a chain of dependent scalar adds: without
+// -ffast-math the compiler keeps a written loop's order).
 inline float hsum(vf v) {
   typedef float vf8 __attribute__((vector_size(32)));
   typedef float vf4 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
   const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const vf8 a = v;
+#endif
   const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
@@ -109,12 +137,15 @@ inline const T* prefetch_at(const T* w, int64_t K, int i, int64_t k) {
   return w + (i + NR) * K + k;
 }
 
-// Widening loop: x is float, the weight float or bfloat16; 16 elements per step.
+// Widening loop: x is float, the weight float or bfloat16; 2 * kLanes elements per step
+// (load2).
 template <typename T>
 struct Widen {
   using XT = float;
-  static constexpr int64_t kStep = kLanes;
+  static constexpr int64_t kStep = 2 * kLanes;
   static constexpr int64_t kBlock = 512;  // K block (measured)
+  static constexpr int kStepBytes = kStep * sizeof(T);
+  static constexpr int kLinesPerStep = kStepBytes >= kLineBytes ? kStepBytes / kLineBytes : 1;
 
   // acc[i * MR + j] += w_i[k0:k1] . x_j[k0:k1] for the NR weight rows w_i = w + i * K and the
   // MR rows x_j = x + j * x_stride; k1 - k0 is a multiple of kStep.
@@ -122,35 +153,61 @@ struct Widen {
   static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const float* x,
                            int64_t x_stride, vf* acc_io) {
     if constexpr (NR == 1 && MR == 1) {
-      // Four accumulators (8 FMA chains): with one, a row of cached weights would wait on the
-      // adds' latency, not on the reads.
-      constexpr int kU = 4;
-      vf a[kU] = {acc_io[0]};
+      // One stream, 256 bytes of weight (4 cache lines) an iteration, up to 8 accumulators:
+      // with fewer, a row of cached weights would wait on the adds' latency, not on reads.
+      constexpr int kPairs = 4 * kLineBytes / kStepBytes;
+      constexpr int kAcc = 2 * kPairs < 8 ? 2 * kPairs : 8;
+      vf a[kAcc] = {acc_io[0]};
       int64_t k = k0;
-      for (; k + kU * kStep <= k1; k += kU * kStep) {
-        for (int u = 0; u < kU; ++u) {
-          __builtin_prefetch(prefetch_at<1>(w, K, 0, k + u * kStep));
-          a[u] += load(w + k + u * kStep) * load(x + k + u * kStep);
+      for (; k + kPairs * kStep <= k1; k += kPairs * kStep) {
+        const char* ahead = reinterpret_cast<const char*>(prefetch_at<1>(w, K, 0, k));
+        for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + l * kLineBytes);
+        for (int u = 0; u < kPairs; ++u) {
+          vf p, q;
+          load2(w + k + u * kStep, p, q);
+          a[(2 * u) % kAcc] += p * load(x + k + u * kStep);
+          a[(2 * u + 1) % kAcc] += q * load(x + k + u * kStep + kLanes);
         }
       }
-      for (int u = 0; k < k1; k += kStep, ++u) a[u] += load(w + k) * load(x + k);
-      acc_io[0] = (a[0] + a[1]) + (a[2] + a[3]);
+      for (; k < k1; k += kStep) {
+        vf p, q;
+        load2(w + k, p, q);
+        a[0] += p * load(x + k);
+        a[1] += q * load(x + k + kLanes);
+      }
+      for (int n = kAcc / 2; n > 0; n /= 2)
+        for (int i = 0; i < n; ++i) a[i] += a[i + n];
+      acc_io[0] = a[0];
       return;
     }
-    vf acc[NR][MR];
+    // Small tiles keep even and odd halves in separate accumulators (two FMA chains each).
+    constexpr int kSplit = NR * MR <= 4 ? 2 : 1;
+    vf acc[kSplit][NR][MR];
     for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < MR; ++j) acc[i][j] = acc_io[i * MR + j];
+      for (int j = 0; j < MR; ++j) {
+        acc[0][i][j] = acc_io[i * MR + j];
+        acc[kSplit - 1][i][j] = kSplit == 2 ? vf{} : acc_io[i * MR + j];
+      }
     for (int64_t k = k0; k < k1; k += kStep) {
-      vf xv[MR];
-      for (int j = 0; j < MR; ++j) xv[j] = load(x + j * x_stride + k);
+      vf x0[MR], x1[MR];
+      for (int j = 0; j < MR; ++j) {
+        x0[j] = load(x + j * x_stride + k);
+        x1[j] = load(x + j * x_stride + k + kLanes);
+      }
       for (int i = 0; i < NR; ++i) {
-        __builtin_prefetch(prefetch_at<NR>(w, K, i, k));
-        const vf wv = load(w + i * K + k);
-        for (int j = 0; j < MR; ++j) acc[i][j] += wv * xv[j];
+        const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, i, k));
+        for (int l = 0; l < kLinesPerStep; ++l) __builtin_prefetch(ahead + l * kLineBytes);
+        vf p, q;
+        load2(w + i * K + k, p, q);
+        for (int j = 0; j < MR; ++j) {
+          acc[0][i][j] += p * x0[j];
+          acc[kSplit - 1][i][j] += q * x1[j];
+        }
       }
     }
     for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < MR; ++j) acc_io[i * MR + j] = acc[i][j];
+      for (int j = 0; j < MR; ++j)
+        acc_io[i * MR + j] = kSplit == 2 ? acc[0][i][j] + acc[1][i][j] : acc[0][i][j];
   }
 };
 
@@ -295,10 +352,22 @@ template <typename T>
 void run_widen(const at::Tensor& x, const at::Tensor& weight, const T* bp, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1);
   // x as float, dense [M, K] (a few KB: stays in cache while the weight streams by)
+  // (bfloat16: each block of kStep elements evens first, then odds, as load2 widens the
+  // weight; the K tail after the last whole block in order)
   std::vector<float> xf(M * K);
   const T* xp = x.data_ptr<T>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xf[m * K + k] = scalar(xp[m * x.stride(0) + k]);
+  constexpr int64_t kStep = Widen<T>::kStep;
+  const int64_t k_vec = std::is_same_v<T, float> ? 0 : K / kStep * kStep;
+  for (int64_t m = 0; m < M; ++m) {
+    const T* src = xp + m * x.stride(0);
+    float* dst = xf.data() + m * K;
+    for (int64_t k0 = 0; k0 < k_vec; k0 += kStep)
+      for (int64_t e = 0; e < kLanes; ++e) {
+        dst[k0 + e] = scalar(src[k0 + 2 * e]);
+        dst[k0 + kLanes + e] = scalar(src[k0 + 2 * e + 1]);
+      }
+    for (int64_t k = k_vec; k < K; ++k) dst[k] = scalar(src[k]);
+  }
   run<Widen<T>>(xf.data(), K, M, K, weight.data_ptr<T>(), weight.size(0), bp,
                 out.data_ptr<T>(), out.stride(0));
 }
@@ -530,9 +599,23 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
   return at::empty_symint(sizes, x.options());
 }
 
+// The instruction-set level this library was compiled for (vllm/utils/cpu_info.py's names).
+std::string isa_level() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "native";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vllm_cpu_linear, m) {
+  m.def("isa() -> str", &isa_level);
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_m_linear", c10::DispatchKey::CPU, &small_m_linear);
   // Whether bfloat16 products of 3+ rows use AVX512-BF16 dot products.
