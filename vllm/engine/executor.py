@@ -34,6 +34,10 @@ class Executor:
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type[Executor]:
         pc = vllm_config.parallel_config
+        if pc.distributed_executor_backend == "ray":  # (also for one rank, when asked)
+            from vllm.engine.ray_executor import RayExecutor
+
+            return RayExecutor
         if pc.world_size == 1:
             return UniProcExecutor
         if pc.distributed_executor_backend == "uni":
@@ -41,10 +45,6 @@ class Executor:
                 f"tensor_parallel_size={pc.tensor_parallel_size} x pipeline_parallel_size="
                 f"{pc.pipeline_parallel_size} needs one process per rank: "
                 "use distributed_executor_backend='mp' (the default for tensor parallelism).")
-        if pc.distributed_executor_backend == "ray":
-            from vllm.engine.ray_executor import RayExecutor
-
-            return RayExecutor
         return MultiprocExecutor
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

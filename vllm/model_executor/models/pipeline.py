@@ -2,11 +2,12 @@
 the others, and the hand-over of hidden states and residuals between stages.
 
 Split rule (`get_pp_indices`): stage s of P holds layers [start, end). Without
-VLLM_PP_LAYER_PARTITION each stage gets num_layers // P layers and the remainder goes one
-layer each to the stages before the last, from the last-but-one backwards (the last stage
-also runs the final norm, the LM head and sampling, so it gets fewer). Example: 10 layers on
-4 stages -> 3, 3, 2, 2; 24 on 2 -> 12, 12. VLLM_PP_LAYER_PARTITION="a,b,..." (one positive
-count per stage, summing to num_layers) sets the split explicitly, e.g. "4,4".
+VLLM_PP_LAYER_PARTITION each stage gets num_layers // P layers and the remainder R goes one
+layer each to the R stages just before the last (the last stage also runs the final norm,
+the LM head and sampling, so it never gets an extra layer; the first stage, which embeds,
+only when R = P - 1). Examples: 10 layers on 4 stages -> 2, 3, 3, 2; 5 on 3 -> 2, 2, 1; 24
+on 2 -> 12, 12. VLLM_PP_LAYER_PARTITION="a,b,..." (one positive count per stage, summing to
+num_layers) sets the split explicitly, e.g. "4,4".
 
 A model supports pipeline parallelism when its `*Model` builds its layers with `make_layers`,
 its embedding only on the first stage and its final norm only on the last, and takes

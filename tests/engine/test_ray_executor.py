@@ -1,0 +1,107 @@
+"""The Ray executor on a local Ray cluster of two logical nodes (`ray.cluster_utils.Cluster`,
+2 CPUs each, one cluster for the module): TP=2 x PP=2 placed across both nodes gives
+transformers' greedy tokens; a killed actor marks the engine dead at once, naming its rank and
+node, and shutdown removes the placement group and the actors; more ranks than the cluster's
+CPUs is a clear error before anything starts."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from engine_test_utils import MAX_TOKENS, PROMPTS  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.engine.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    c.add_node(num_cpus=2)
+    ray.init(address=c.address, logging_level="warning")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def engine_args(path: str, tp: int, pp: int) -> EngineArgs:
+    return EngineArgs(model=path, optimization_level=0, tensor_parallel_size=tp,
+                      pipeline_parallel_size=pp, max_model_len=128, kv_cache_memory="16MiB",
+                      disable_log_stats=True)
+
+
+async def final(llm: AsyncLLM, rid: str, prompt: str):
+    last = None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    async for out in llm.generate(prompt, params, rid):
+        last = out
+    return last
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not {what} after {timeout} s")
+        time.sleep(0.05)
+
+
+def test_tp2_pp2_across_nodes_then_rank_death(cluster, llama_path, hf_greedy):
+    from ray.util.placement_group import placement_group_table
+
+    # Inside a Ray job the backend defaults to Ray.
+    llm = AsyncLLM.from_engine_args(engine_args(llama_path, 2, 2))
+    try:
+        executor = llm.engine.executor
+        assert type(executor).__name__ == "RayExecutor"
+        assert len({node for node in executor._nodes}) == 2  # both logical nodes hold ranks
+        # Each tensor-parallel group (ranks 0-1, 2-3) on one node.
+        assert executor._nodes[0] == executor._nodes[1] and executor._nodes[2] == executor._nodes[3]
+
+        async def main():
+            return await asyncio.gather(*(final(llm, f"r{i}", p)
+                                          for i, p in enumerate(PROMPTS[:3])))
+
+        outputs = asyncio.run(asyncio.wait_for(main(), 300))
+        for prompt, out in zip(PROMPTS[:3], outputs):
+            assert list(out.outputs[0].token_ids) == hf_greedy(prompt), prompt
+
+        # Kill a rank of the last stage while the engine is idle: the engine knows at once.
+        pg_id = executor._pg.id.hex()
+        actors = list(executor._actors)
+        ray.kill(actors[3], no_restart=True)
+        wait_until(lambda: llm.errored, 60, "errored")
+        message = str(llm.dead_error)
+        assert "Ray worker rank 3 on node" in message and executor._nodes[3] in message
+        with pytest.raises(EngineDeadError, match="rank 3"):
+            asyncio.run(asyncio.wait_for(final(llm, "late", PROMPTS[0]), 60))
+    finally:
+        start = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - start < 30
+    assert placement_group_table()[pg_id]["state"] == "REMOVED"
+    for actor in actors[:3]:  # the live ones were stopped too
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.node_info.remote(), timeout=30)
+
+
+def test_more_ranks_than_cpus_is_a_clear_error(cluster, llama_path):
+    from vllm import LLM
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"world_size 8 .* needs one CPU per rank; the Ray "
+                                         r"cluster has 4 CPUs \(2 nodes"):
+        LLM(model=llama_path, optimization_level=0, tensor_parallel_size=4,
+            pipeline_parallel_size=2, distributed_executor_backend="ray",
+            max_model_len=128, kv_cache_memory="16MiB")
+    assert time.monotonic() - start < 60
