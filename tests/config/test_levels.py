@@ -85,10 +85,10 @@ def test_level_table(level, model, platform, monkeypatch):
         source = config.provenance[path].label
         name = path.rsplit(".", 1)[-1]
         if platform.is_cpu() and (
-                name in ("cudagraph_mode", "fuse_allreduce_rms")
+                name == "cudagraph_mode"
                 or (name in ("fuse_norm_quant", "fuse_act_quant") and level >= 1)
-                or (name in ("fuse_attn_quant", "prepack_linear_weights", "cpp_wrapper")
-                    and level >= 2)):
+                or (name in ("fuse_attn_quant", "prepack_linear_weights", "cpp_wrapper",
+                             "fuse_allreduce_rms") and level >= 2)):
             assert source == "platform cpu", path
             assert config.provenance[path].reason, path
         elif name == "fuse_attn_quant" and platform.is_cuda() and level >= 2:

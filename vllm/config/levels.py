@@ -89,7 +89,8 @@ def enable_attn_fusion(cfg: VllmConfig) -> bool:
 def enable_allreduce_rms_fusion(cfg: VllmConfig) -> bool:
     """tensor_parallel_size > 1 and the platform has the fused all-reduce kernel
 
-    With one rank there is no all-reduce to fuse."""
+    With one rank there is no all-reduce to fuse. The kernel: on the CPU the shared-memory
+    all-reduce of ranks on one host; on CUDA FlashInfer's (Hopper / Blackwell, 2/4/8 ranks)."""
     return (cfg.parallel_config.tensor_parallel_size > 1
             and cfg.platform.supports_allreduce_rms_fusion(cfg))
 

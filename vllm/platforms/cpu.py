@@ -8,6 +8,7 @@ from vllm.config.levels import (
     OptimizationLevel,
     Setting,
     enable_act_fusion,
+    enable_allreduce_rms_fusion,
     enable_attn_fusion,
     enable_norm_fusion,
     every_level,
@@ -28,9 +29,19 @@ if TYPE_CHECKING:
 
 _NO_GRAPHS = {"compilation_config": {
     "cudagraph_mode": Setting(CUDAGraphMode.NONE, "the CPU has no CUDA graphs", required=True),
-    "pass_config": {"fuse_allreduce_rms": Setting(
-        False, "the fused all-reduce + RMSNorm kernel needs CUDA", required=True)},
 }}
+
+# O2: tensor-parallel ranks on one host all-reduce through shared memory
+# (vllm/distributed/shm_all_reduce.py), whose fused op also adds the residual and normalises
+# (and quantises) each reduced row: AllReduceFusionPass. Off with one rank, with the Ray
+# executor (ranks may be on other hosts: gloo) or VLLM_CPU_SHM_ALLREDUCE=0.
+_ALLREDUCE_FUSION = {"compilation_config": {"pass_config": {
+    "fuse_allreduce_rms": Setting(
+        enable_allreduce_rms_fusion,
+        "CPU: the shared-memory all-reduce adds the residual and normalises (and quantises) "
+        "in its pass over the reduced rows (TP > 1 on one host, VLLM_CPU_SHM_ALLREDUCE on; "
+        "benchmarks/bench_allreduce.py)"),
+}}}
 
 # The FP8 fusions stay on here (the base table's predicates) because they measured at least
 # as fast as leaving Inductor to fuse the plain ops: our fused op against the Inductor-fused
@@ -98,6 +109,7 @@ CPU_LEVEL_TABLE = merge_rows(
     every_level(_NO_GRAPHS),
     {_L.O1: _FP8_FUSIONS_O1, _L.O2: _FP8_FUSIONS_O1, _L.O3: _FP8_FUSIONS_O1},
     {_L.O2: _FP8_FUSIONS_O2, _L.O3: _FP8_FUSIONS_O2},
+    {_L.O2: _ALLREDUCE_FUSION, _L.O3: _ALLREDUCE_FUSION},
     {_L.O2: _O2, _L.O3: _O2},
     {_L.O3: _O3},
 )
@@ -115,6 +127,17 @@ class CpuPlatform(Platform):
 
     def is_available(self) -> bool:
         return True
+
+    def supports_allreduce_rms_fusion(self, vllm_config) -> bool:
+        """The shared-memory all-reduce (with its fused residual add + RMSNorm) runs: ranks of
+        one host (not the Ray executor, whose ranks may be on several) and the switch on."""
+        from vllm.compilation.passes.registry import has_pass
+        from vllm.utils.cpu_kernels import switched_off
+
+        parallel = getattr(vllm_config, "parallel_config", None)
+        if parallel is None or parallel.distributed_executor_backend == "ray":
+            return False
+        return has_pass("fuse_allreduce_rms") and not switched_off("VLLM_CPU_SHM_ALLREDUCE")
 
     def resolve_auto_dtype(self, model_config: ModelConfig) -> tuple[str, str]:
         name = model_config.checkpoint_dtype

@@ -1,7 +1,6 @@
 """NVIDIA CUDA: CUDA graphs, FlashInfer all-reduce fusion."""
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
 from vllm.config.levels import OptimizationLevel, Setting, enable_attn_fusion
@@ -76,15 +75,14 @@ class CudaPlatform(Platform):
 
     def supports_allreduce_rms_fusion(self, vllm_config: VllmConfig) -> bool:
         # The fused kernel (FlashInfer / TRT-LLM all-reduce) exists for Hopper and datacenter
-        # Blackwell; a simulated platform without a GPU reports it unsupported. Nor is there
-        # a pass that would call it yet: the level must not claim the fusion.
+        # Blackwell, 2/4/8 ranks; a simulated platform without a GPU reports it unsupported.
+        # The CUDA all-reduce is not routed through the op the pass matches yet
+        # (vllm/distributed/flashinfer_all_reduce.py): the level must not claim the fusion.
         from vllm.compilation.passes.pass_manager import has_pass
+        from vllm.distributed.flashinfer_all_reduce import fusion_supported
 
         if not has_pass("fuse_allreduce_rms"):
             return False
-        capability = self.get_device_capability()
-        if capability is None:
-            return False
-        if importlib.util.find_spec("flashinfer") is None:
-            return False
-        return capability == (9, 0) or capability[0] == 10
+        parallel = getattr(vllm_config, "parallel_config", None)
+        world = parallel.tensor_parallel_size if parallel is not None else 2
+        return fusion_supported(world, self.get_device_capability())[0]

@@ -33,9 +33,11 @@ def test_registry_order_is_upstreams():
     from vllm.compilation.passes.registry import registered_passes
 
     flags = [e.flag for e in registered_passes() if e.pass_class is not None]
-    assert flags == ["eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant"]
-    names = [p.name for p in manager(config(model_configs.fp8("static"), **ALL)).all_passes()]
-    assert names == ["NoOpEliminationPass", "RMSNormQuantFusionPass",
+    assert flags == ["eliminate_noops", "fuse_allreduce_rms", "fuse_norm_quant",
+                     "fuse_act_quant", "fuse_attn_quant"]
+    names = [p.name for p in manager(config(model_configs.fp8("static"), **ALL,
+                                            fuse_allreduce_rms=True)).all_passes()]
+    assert names == ["NoOpEliminationPass", "AllReduceFusionPass", "RMSNormQuantFusionPass",
                      "ActivationQuantFusionPass", "AttnQuantFusionPass", "PostCleanupPass",
                      "FixFunctionalizationPass"]
 
@@ -102,20 +104,20 @@ def test_fusion_without_model_registers_every_scheme(flag):
     assert m.passes[0].schemes == [mu.STATIC, mu.PER_TOKEN, mu.QuantScheme(False, 128)]
 
 
-@pytest.mark.parametrize("platform", ["cuda"], indirect=True)  # the CPU refuses the flag
-def test_a_fusion_without_a_pass_is_not_claimed(caplog, monkeypatch, platform):
-    """fuse_allreduce_rms (upstream's flag) has no pass here yet: an explicit True is not listed
-    as enabled but warned about, and no level turns it on, even on a CUDA platform that would
-    have the FlashInfer kernel (TP > 1, Hopper)."""
+@pytest.mark.parametrize("platform", ["cuda"], indirect=True)
+def test_allreduce_fusion_is_not_claimed_on_cuda(caplog, monkeypatch, platform):
+    """fuse_allreduce_rms has a pass (AllReduceFusionPass; with one rank it registers and
+    matches nothing), but CUDA's all-reduce is not routed through the op it matches: no level
+    turns it on there, even where FlashInfer's kernel would exist (TP > 1, Hopper)."""
     from vllm.platforms.cuda import CudaPlatform
 
     caplog.set_level(logging.INFO, logger="vllm")
-    assert not pm.has_pass("fuse_allreduce_rms") and pm.has_pass("fuse_norm_quant")
+    assert pm.has_pass("fuse_allreduce_rms") and pm.has_pass("fuse_norm_quant")
     m = manager(config(model_configs.fp8("static"), fuse_norm_quant=True,
                        fuse_allreduce_rms=True))
-    assert "Enabled fusions: norm_quant\n" in caplog.text + "\n"
-    assert "pass_config.fuse_allreduce_rms is on, but this engine has no pass" in caplog.text
-    assert [p.name for p in m.passes] == ["RMSNormQuantFusionPass"]
+    assert "Enabled fusions: allreduce_rms, norm_quant\n" in caplog.text + "\n"
+    assert [p.name for p in m.passes] == ["AllReduceFusionPass", "RMSNormQuantFusionPass"]
+    assert m.passes[0].patterns.registered == []
     platform = CudaPlatform()
     monkeypatch.setattr(platform, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
