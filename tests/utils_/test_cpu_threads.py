@@ -464,3 +464,10 @@ def test_between_thresholds_keeps_the_current_count():
         assert det.end_window(float(t), 0.4) is None
     assert det.threads == 1
     assert det.end_window(10.6, 0.1).threads == 2  # 0.6 s calm
+
+
+def test_one_thread_has_nothing_to_give_back():
+    det = ct.ContentionDetector(full_threads=1, num_cpus=2, adjust=False)
+    assert run(det, 6, 1.9)[0] == []  # OMP_NUM_THREADS=1 under load: no advice to set it
+    _, t = run(det, 2, None, step_s=0.01)
+    assert run(det, 4, None, step_s=0.5, t0=t)[0] == []

@@ -505,10 +505,11 @@ class ContentionDetector:
                 self.threads = target
                 return Decision(threads=target)
             return None
-        contended = (busy is not None and busy >= self.busy_on
-                     and self.threads > math.floor(left + 0.5))
+        target = max(1, min(self.full_threads, math.floor(left + 0.5)))
+        # Only when fewer threads would help: one thread has nothing to give back.
+        contended = busy is not None and busy >= self.busy_on and self.threads > target
         if busy is None:
-            contended = slow >= self.slow_factor
+            contended = slow >= self.slow_factor and self.threads > 1
         if not contended:
             self._busy_run = 0.0
             return None
@@ -516,7 +517,6 @@ class ContentionDetector:
         if self._busy_run < self.enter_s - 1e-9:
             return None
         self._busy_run = 0.0
-        target = max(1, min(self.full_threads, math.floor(left + 0.5)))
         decision = Decision()
         if self.adjust and busy is not None and target < self.threads:
             self.threads = target
