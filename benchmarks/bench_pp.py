@@ -1,14 +1,16 @@
 """Decode speed with TP=1, PP=2 and TP=2 (and any other layouts), side by side in one run.
 
-One engine per layout (all alive at once, mp executor, or --backend ray), then rounds: in each
+One engine per layout (all alive at once: Ray actors for every layout, TP=1 included, so each
+pays the same per-step dispatch; with --backend mp only one multi-rank layout fits a process,
+as mp's rank 0 lives in it), then rounds: in each
 round every engine, in turn, generates `--batch` greedy requests of `--tokens` tokens and of
 1 token; decode tok/s = batch x (tokens - 1) / (t_tokens - t_1) (the prefill subtracted).
 The layouts interleave round by round so that a shared machine's load hits them alike; the
 result per layout is the median over rounds, and its ratio to the first layout.
 
-Pipeline parallelism here runs each step stage by stage (one batch in flight, no micro-batch
-pipelining), so on one machine PP=2 can only lose to TP=1 (the stages wait for each other
-and add a send/recv per step); the figure says by how much.
+Pipeline parallelism cuts each step's batch into micro-batches (VLLM_PP_MICRO_BATCHES,
+default one per stage) that flow through the stages within the step; the PP2-mb1 layout
+(VLLM_PP_MICRO_BATCHES=1 in its workers) runs the whole batch stage by stage, for comparison.
 
     python benchmarks/bench_pp.py                                # demo model, smoke size
     python benchmarks/bench_pp.py --model /path/qwen2.5-0.5b --batch 16 --tokens 64 --rounds 10
@@ -27,38 +29,53 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-def parse_layout(text: str) -> tuple[str, int, int]:
-    """NAME=TPxPP -> (name, tp, pp)."""
+def parse_layout(text: str) -> tuple[str, int, int, int | None]:
+    """NAME=TPxPP[xMICRO] -> (name, tp, pp, micro-batches or None for the default)."""
     name, _, shape = text.partition("=")
-    tp, _, pp = shape.partition("x")
-    return name, int(tp), int(pp)
+    parts = [int(p) for p in shape.split("x")]
+    return name, parts[0], parts[1], parts[2] if len(parts) > 2 else None
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo")
     parser.add_argument("--layout", action="append", default=None,
-                        help="NAME=TPxPP, repeatable (default TP1=1x1 PP2=1x2 TP2=2x1).")
-    parser.add_argument("--backend", default="mp", choices=["mp", "ray"])
+                        help="NAME=TPxPP[xMICRO_BATCHES], repeatable (default TP1=1x1 "
+                        "PP2=1x2 PP2-mb1=1x2x1 TP2=2x1).")
+    parser.add_argument("--backend", default="ray", choices=["mp", "ray"])
     parser.add_argument("--level", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="pp_decode")
     args = parser.parse_args()
-    layouts = [parse_layout(t) for t in args.layout or ["TP1=1x1", "PP2=1x2", "TP2=2x1"]]
+    layouts = [parse_layout(t) for t in args.layout or ["TP1=1x1", "PP2=1x2", "PP2-mb1=1x2x1",
+                                                        "TP2=2x1"]]
+    if args.backend == "mp" and sum(tp * pp > 1 for _, tp, pp, _ in layouts) > 1:
+        parser.error("--backend mp: at most one multi-rank layout (rank 0 lives in this "
+                     "process); use --backend ray")
 
     from vllm import LLM, SamplingParams
 
+    if args.backend == "ray":
+        import ray
+
+        # Logical CPUs: every layout's ranks at once (the machine's cores are shared anyway).
+        ray.init(num_cpus=sum(tp * pp for _, tp, pp, _ in layouts), logging_level="warning")
     engines, startup = {}, {}
-    for name, tp, pp in layouts:
+    for name, tp, pp, micro in layouts:
         start = time.perf_counter()
-        backend = "uni" if tp * pp == 1 else args.backend
+        backend = "uni" if tp * pp == 1 and args.backend == "mp" else args.backend
+        if micro is not None:
+            os.environ["VLLM_PP_MICRO_BATCHES"] = str(micro)  # (the actors copy it)
+        else:
+            os.environ.pop("VLLM_PP_MICRO_BATCHES", None)
         engines[name] = LLM(model=args.model, optimization_level=args.level,
                             tensor_parallel_size=tp, pipeline_parallel_size=pp,
                             distributed_executor_backend=backend, max_model_len=512,
                             kv_cache_memory="64MiB")
         startup[name] = time.perf_counter() - start
+    os.environ.pop("VLLM_PP_MICRO_BATCHES", None)
     prompts = [f"Request {i}: the pipeline stages pass hidden states" for i in range(args.batch)]
     full = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -86,14 +103,15 @@ def main() -> int:
                          "ratio_to_first": round(statistics.median(rates[name])
                                                  / statistics.median(rates[first]), 3),
                          "greedy_equal_to_first": same[name]}
-                  for name, tp, pp in layouts}}
+                  for name, tp, pp, _ in layouts}}
     lines = [f"# Decode tok/s by layout ({args.model}, -O{args.level}, {args.backend}, batch "
              f"{args.batch}, {args.tokens} tokens, {args.rounds} interleaved rounds, "
              f"{os.cpu_count()} CPUs)", "",
-             "PP runs stage by stage (one batch in flight; no micro-batch pipelining).", "",
+             "PP cuts each step's batch into micro-batches (one per stage unless the layout "
+             "says: PP2-mb1 = the whole batch stage by stage).", "",
              "| layout | TP | PP | start-up s | decode tok/s (median) | vs first | greedy = first |",
              "|---|---|---|---|---|---|---|"]
-    for name, tp, pp in layouts:
+    for name, tp, pp, _ in layouts:
         r = result["layouts"][name]
         lines.append(f"| {name} | {tp} | {pp} | {r['startup_s']} | {r['decode_tok_s_median']} "
                      f"| {r['ratio_to_first']} | {r['greedy_equal_to_first']} |")

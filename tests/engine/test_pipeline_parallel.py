@@ -1,6 +1,7 @@
 """Pipeline parallelism: the layer split rule (and VLLM_PP_LAYER_PARTITION), config
-validation, each stage's own module tree and compile-cache key, and end to end with the mp
-executor: PP=2 (and TP=2 x PP=2) greedy tokens equal transformers'."""
+validation, the micro-batch split, each stage's own module tree and compile-cache key, and end
+to end with the mp executor: PP=2 (and TP=2 x PP=2) greedy tokens equal transformers' (the
+prefill of three prompts runs as two micro-batches)."""
 from __future__ import annotations
 
 import pytest
@@ -81,6 +82,31 @@ def test_parallel_config_backends(monkeypatch):
     assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2
                           ).distributed_executor_backend == "ray"
     assert ParallelConfig().distributed_executor_backend == "uni"
+
+
+def test_micro_batches_split_the_requests_by_tokens(monkeypatch):
+    from vllm.engine.sched_output import SchedulerOutput
+    from vllm.model_executor.models.pipeline import split_micro_batches
+
+    monkeypatch.delenv("VLLM_PP_MICRO_BATCHES", raising=False)
+
+    def split(tokens: dict[str, int], pp: int) -> list[dict[str, int]]:
+        so = SchedulerOutput([], [], tokens, sum(tokens.values()))
+        parts = split_micro_batches(so, pp)
+        assert all(p.total_num_scheduled_tokens == sum(p.num_scheduled_tokens.values())
+                   for p in parts)
+        return [p.num_scheduled_tokens for p in parts]
+
+    assert split({"a": 1, "b": 1, "c": 1, "d": 1}, 2) == [{"a": 1, "b": 1}, {"c": 1, "d": 1}]
+    assert split({"a": 10, "b": 1, "c": 1}, 2) == [{"a": 10}, {"b": 1, "c": 1}]
+    assert split({"a": 1, "b": 1, "c": 10}, 3) == [{"a": 1}, {"b": 1}, {"c": 10}]
+    assert split({"a": 5}, 2) == [{"a": 5}]
+    assert split({"a": 1, "b": 1}, 1) == [{"a": 1, "b": 1}]
+    monkeypatch.setenv("VLLM_PP_MICRO_BATCHES", "1")
+    assert split({"a": 1, "b": 1}, 2) == [{"a": 1, "b": 1}]
+    monkeypatch.setenv("VLLM_PP_MICRO_BATCHES", "0")
+    with pytest.raises(ValueError, match="VLLM_PP_MICRO_BATCHES='0' must be a positive"):
+        split({"a": 1, "b": 1}, 2)
 
 
 @pytest.fixture

@@ -317,12 +317,32 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        batch = self._prepare_inputs(so)
-        hidden = self._run_model(batch)
-        output = self._sample(hidden, batch)
+        if self.vllm_config.parallel_config.pipeline_parallel_size > 1:
+            output = self._execute_micro_batches(so)
+        else:
+            batch = self._prepare_inputs(so)
+            hidden = self._run_model(batch)
+            output = self._sample(hidden, batch)
         for req_id, n in so.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         return output
+
+    def _execute_micro_batches(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Pipeline parallelism: the batch in micro-batches run in order on every stage, so
+        that the stages overlap (models/pipeline.py `split_micro_batches`)."""
+        from vllm.model_executor.models.pipeline import (
+            merge_outputs,
+            split_micro_batches,
+            wait_pp_sends,
+        )
+
+        outputs = []
+        for part in split_micro_batches(so, self.vllm_config.parallel_config
+                                        .pipeline_parallel_size):
+            batch = self._prepare_inputs(part)
+            outputs.append(self._sample(self._run_model(batch), batch))
+        wait_pp_sends()
+        return merge_outputs(list(so.num_scheduled_tokens), outputs)
 
     # ---- input preparation --------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> PreparedBatch:

@@ -149,7 +149,81 @@ def pp_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tenso
     if rank == size - 1:
         return out
     hidden, residual = out
-    dist.send(hidden.contiguous(), dst=group.next_rank)
-    dist.send(residual.contiguous(), dst=group.next_rank)
+    wait_pp_sends()
+    # Asynchronous: the stage goes on with its next micro-batch while the next stage runs
+    # this one (the tensors stay referenced until the sends completed).
+    for tensor in (hidden.contiguous(), residual.contiguous()):
+        _PENDING_SENDS.append((dist.isend(tensor, dst=group.next_rank), tensor))
     return hidden
 
+
+_PENDING_SENDS: list[tuple[Any, torch.Tensor]] = []
+
+
+def wait_pp_sends() -> None:
+    """Wait until this stage's sends to the next stage completed (before the next sends and
+    at the end of each step)."""
+    while _PENDING_SENDS:
+        work, _ = _PENDING_SENDS.pop(0)
+        work.wait()
+
+
+def num_micro_batches(pp_size: int, num_reqs: int) -> int:
+    """How many micro-batches a step's batch is cut into: VLLM_PP_MICRO_BATCHES if set (1 =
+    the whole batch at once, stage by stage), else one per stage; never more than requests."""
+    text = os.environ.get("VLLM_PP_MICRO_BATCHES", "").strip()
+    if text:
+        try:
+            wanted = int(text)
+        except ValueError:
+            wanted = 0
+        if wanted < 1:
+            raise ValueError(f"VLLM_PP_MICRO_BATCHES={text!r} must be a positive integer")
+    else:
+        wanted = pp_size
+    return max(1, min(wanted, num_reqs))
+
+
+def split_micro_batches(scheduler_output: Any, pp_size: int) -> list[Any]:
+    """The step's SchedulerOutput cut into micro-batches of consecutive requests with about
+    equal token counts (each a copy with only `num_scheduled_tokens` and
+    `total_num_scheduled_tokens` narrowed: what the runner's input preparation reads). With
+    pipeline parallelism every stage runs them in order; stage s works on micro-batch m
+    while stage s+1 runs micro-batch m-1, so the stages overlap within one step."""
+    import dataclasses
+
+    items = list(scheduler_output.num_scheduled_tokens.items())
+    k = num_micro_batches(pp_size, len(items)) if pp_size > 1 else 1
+    if k == 1:
+        return [scheduler_output]
+    total = scheduler_output.total_num_scheduled_tokens
+    parts: list[dict[str, int]] = [{}]
+    done = 0
+    for i, (req_id, n) in enumerate(items):
+        left_reqs, left_parts = len(items) - i, k - len(parts)
+        # Start the next part when this one has its share, or when every remaining request
+        # is needed to give each remaining part one.
+        if parts[-1] and left_parts > 0 and (done >= total * len(parts) / k
+                                            or left_reqs <= left_parts):
+            parts.append({})
+        parts[-1][req_id] = n
+        done += n
+    return [dataclasses.replace(scheduler_output, num_scheduled_tokens=part,
+                                total_num_scheduled_tokens=sum(part.values()))
+            for part in parts]
+
+
+def merge_outputs(req_ids: list[str], outputs: list[Any]) -> Any:
+    """One ModelRunnerOutput from the micro-batches' (in the step's request order)."""
+    import dataclasses
+
+    first = outputs[0]
+    merged = dataclasses.replace(first, req_ids=list(req_ids),
+                                 sampled_token_ids=dict(first.sampled_token_ids),
+                                 logprobs=dict(first.logprobs),
+                                 prompt_logprobs=dict(first.prompt_logprobs))
+    for out in outputs[1:]:
+        merged.sampled_token_ids.update(out.sampled_token_ids)
+        merged.logprobs.update(out.logprobs)
+        merged.prompt_logprobs.update(out.prompt_logprobs)
+    return merged
