@@ -136,8 +136,11 @@ def test_kernels_at_each_level_match_torch(level):
     if level == "none":
         pytest.skip("this CPU has none of the ISA levels")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_isa_check.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(script)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True,
-                          env=dict(os.environ, VLLM_CPU_ISA=level), timeout=1800)
+                          env=dict(os.environ, VLLM_CPU_ISA=level, PYTHONPATH=path),
+                          timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["level"] == level

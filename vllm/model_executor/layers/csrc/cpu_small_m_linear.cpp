@@ -7,6 +7,8 @@
 //       the dispatcher of every CPU linear (end of file): small-M kernel, prepacked oneDNN
 //       weight, oneDNN, aten::linear; `configure`, `set_packed`/`drop_packed`, `linear_route`
 //   torch.ops.vllm_cpu_linear.onednn_rows(rows) -> the row count oneDNN computes with
+//   torch.ops.vllm_cpu_linear.isa() -> the ISA level this library was built for ("avx2",
+//       "avx512", "avx512_bf16"; vllm/utils/cpu_kernels.py builds one level per process)
 //
 // Decode-shaped products (M = 1..16) are bound by reading the weight. BLAS libraries reach
 // only about half of the memory bandwidth there on the dev machines (bfloat16: ~15 of ~30 GB/s
@@ -34,7 +36,8 @@
 //
 // Two inner loops:
 // - widening: weight elements are widened to float in registers (float32 and bfloat16), x is
-//   converted to a float buffer once; 16 lanes per step;
+//   converted to a float buffer once; two vectors (2 x 16 lanes on AVX-512, 2 x 8 on AVX2)
+//   per step, bfloat16 widened without shuffles (load2);
 // - bfloat16 dot products (built for a CPU with AVX512-BF16, products of 3+ rows): vdpbf16ps
 //   multiplies 32 bfloat16 pairs per instruction, neither operand is widened. One or two rows
 //   stream faster through the widening loop (measured), so they keep it.
