@@ -109,7 +109,8 @@ def main() -> int:
              f"{os.cpu_count()} CPUs)", "",
              "PP cuts each step's batch into micro-batches (one per stage unless the layout "
              "says: PP2-mb1 = the whole batch stage by stage).", "",
-             "| layout | TP | PP | start-up s | decode tok/s (median) | vs first | greedy = first |",
+             "| layout | TP | PP | start-up s | decode tok/s (median) | vs first "
+             "| greedy = first |",
              "|---|---|---|---|---|---|---|"]
     for name, tp, pp, _ in layouts:
         r = result["layouts"][name]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_test_utils import MAX_TOKENS, PROMPTS
+
 from vllm.config import ParallelConfig
 from vllm.distributed import parallel_state
 from vllm.distributed.parallel_state import GroupCoordinator

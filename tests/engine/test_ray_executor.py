@@ -13,6 +13,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from engine_test_utils import MAX_TOKENS, PROMPTS  # noqa: E402
+
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -64,9 +65,10 @@ def test_tp2_pp2_across_nodes_then_rank_death(cluster, llama_path, hf_greedy):
     try:
         executor = llm.engine.executor
         assert type(executor).__name__ == "RayExecutor"
-        assert len({node for node in executor._nodes}) == 2  # both logical nodes hold ranks
+        assert len(set(executor._nodes)) == 2  # both logical nodes hold ranks
         # Each tensor-parallel group (ranks 0-1, 2-3) on one node.
-        assert executor._nodes[0] == executor._nodes[1] and executor._nodes[2] == executor._nodes[3]
+        nodes = executor._nodes
+        assert nodes[0] == nodes[1] and nodes[2] == nodes[3]
 
         async def main():
             return await asyncio.gather(*(final(llm, f"r{i}", p)
