@@ -360,6 +360,7 @@ def _worker(world=1):
     w = Worker.__new__(Worker)
     w.vllm_config = types.SimpleNamespace(parallel_config=pc)
     w.rank, w._saved_num_threads, w._thread_governor = 0, None, None
+    w._saved_affinity = None
     return w
 
 
@@ -471,3 +472,24 @@ def test_one_thread_has_nothing_to_give_back():
     assert run(det, 6, 1.9)[0] == []  # OMP_NUM_THREADS=1 under load: no advice to set it
     _, t = run(det, 2, None, step_s=0.01)
     assert run(det, 4, None, step_s=0.5, t0=t)[0] == []
+
+
+def test_bind_and_restore(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ct.os, "sched_setaffinity", lambda tid, cpus: calls.append((tid,
+                                                                                     cpus)))
+    monkeypatch.setattr(ct, "affinity_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(ct, "_logged", set())
+    monkeypatch.setattr(ct, "logger", types.SimpleNamespace(info=lambda m: None))
+    saved = torch.get_num_threads()
+    try:
+        before = ct.apply_thread_plan(ct.ThreadPlan(2, "list", True, (2, 3), (2, 3)))
+        assert before == [0, 1, 2, 3]
+        import threading
+
+        bound = {tid for tid, _ in calls}  # every thread of the process, the caller's too
+        assert threading.get_native_id() in bound and len(bound) == len(calls) >= 1
+        assert all(cpus == {2, 3} for _, cpus in calls)
+        assert ct.apply_thread_plan(ct.ThreadPlan(2, "no bind", False, (0, 1))) is None
+    finally:
+        torch.set_num_threads(saved)

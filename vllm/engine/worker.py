@@ -102,6 +102,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.num_blocks = 0
         self._saved_num_threads: int | None = None
+        self._saved_affinity: list[int] | None = None
         self._thread_governor = None
 
     def init_device(self) -> None:
@@ -141,7 +142,7 @@ class Worker:
         world = self.vllm_config.parallel_config.world_size
         plan = cpu_threads.plan_threads(world, self.rank)
         self._saved_num_threads = torch.get_num_threads()
-        cpu_threads.apply_thread_plan(plan, self.rank)
+        self._saved_affinity = cpu_threads.apply_thread_plan(plan, self.rank)
         self._thread_governor = cpu_threads.ThreadGovernor(
             plan, adjust=envs.VLLM_CPU_ADAPTIVE_THREADS)
 
@@ -239,6 +240,11 @@ class Worker:
 
             destroy_distributed_environment()
         self._thread_governor = None
+        if self._saved_affinity is not None:
+            from vllm.utils.cpu_threads import bind_process
+
+            bind_process(self._saved_affinity)  # undo VLLM_CPU_OMP_THREADS_BIND's binding
+            self._saved_affinity = None
         if self._saved_num_threads is not None:
             torch.set_num_threads(self._saved_num_threads)
             self._saved_num_threads = None

@@ -381,13 +381,16 @@ def bind_process(cpus) -> int:
     return n
 
 
-def apply_thread_plan(plan: ThreadPlan, rank: int = 0) -> None:
+def apply_thread_plan(plan: ThreadPlan, rank: int = 0) -> list[int] | None:
     """Set torch's intra-op threads (and binding) to `plan`; log the choice once per
-    process and plan."""
+    process and plan. Returns the affinity before binding (None: nothing was bound), for
+    `bind_process` to restore at shutdown."""
     import torch
 
     global _last_set_by_us
+    previous = None
     if plan.bind_cpus is not None:
+        previous = affinity_cpus()
         bind_process(plan.bind_cpus)
     if torch.get_num_threads() != plan.num_threads:
         torch.set_num_threads(plan.num_threads)
@@ -398,6 +401,7 @@ def apply_thread_plan(plan: ThreadPlan, rank: int = 0) -> None:
     if msg not in _logged:
         _logged.add(msg)
         logger.info(msg)
+    return previous
 
 
 # ---------------------------------------------------------------------------------------
