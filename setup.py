@@ -34,6 +34,8 @@ setup(
         "httpx",
         "prometheus_client",
         "numpy",
+        "pyzmq",
+        "msgspec",
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis", "hypothesis-jsonschema", "openai", "ruff",

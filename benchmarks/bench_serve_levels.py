@@ -9,6 +9,13 @@ measured run), then the measured load. Results go to `<output-dir>/<name>.md` (a
 
     python benchmarks/bench_serve_levels.py                      # demo model, -O0 vs -O2
     python benchmarks/bench_serve_levels.py --model ./m --levels 0,1,2 --num-prompts 128
+    python benchmarks/bench_serve_levels.py --modes thread,process --rounds 3 \
+        --name serve_levels_engine_core      # engine thread vs engine-core process
+
+`--modes`: where the engine runs (VLLM_ENABLE_MULTIPROCESSING): `thread` (in the API process)
+and/or `process` (an engine-core process). With `--rounds N` every (mode, level) server runs
+N times, the rounds interleaved (round 1 of every configuration, then round 2, ...), and the
+table shows each configuration's median round; the ratio lines compare the medians.
 """
 from __future__ import annotations
 
@@ -38,8 +45,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MODE_ENV = {"thread": "0", "process": "1"}
+
+
 def start_server(model: str, level: int, port: int, extra: list[str], log_path: str,
-                 timeout: float, compile_cache: bool = True) -> tuple[subprocess.Popen, float]:
+                 timeout: float, compile_cache: bool = True,
+                 mode: str | None = None) -> tuple[subprocess.Popen, float]:
     """Start `vllm serve` and wait until /health answers; returns (process, seconds)."""
     import httpx
 
@@ -48,6 +59,8 @@ def start_server(model: str, level: int, port: int, extra: list[str], log_path: 
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if not compile_cache:
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    if mode is not None:
+        env["VLLM_ENABLE_MULTIPROCESSING"] = MODE_ENV[mode]
     log = open(log_path, "w")  # noqa: SIM115 - owned by the process
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -99,12 +112,15 @@ def startup_phases(port: int) -> dict[str, float]:
     return phases
 
 
-def run_level(args: argparse.Namespace, level: int, log_dir: str) -> dict:
+def run_level(args: argparse.Namespace, level: int, log_dir: str, mode: str | None = None,
+              round_index: int = 0) -> dict:
     port = free_port()
-    log_path = os.path.join(log_dir, f"serve_O{level}.log")
-    print(f"-O{level}: starting the server (log: {log_path})", flush=True)
+    tag = f"{mode}-" if mode else ""
+    log_path = os.path.join(log_dir, f"serve_{tag}O{level}_r{round_index}.log")
+    print(f"{tag}-O{level} (round {round_index + 1}): starting the server (log: {log_path})",
+          flush=True)
     proc, startup_s = start_server(args.model, level, port, args.serve_arg, log_path,
-                                   args.startup_timeout, args.compile_cache == "on")
+                                   args.startup_timeout, args.compile_cache == "on", mode)
     try:
         print(f"-O{level}: healthy after {startup_s:.1f} s; warming up", flush=True)
         warmup_s = 0.0
@@ -119,9 +135,63 @@ def run_level(args: argparse.Namespace, level: int, log_dir: str) -> dict:
         phases = startup_phases(port)
     finally:
         code = stop_server(proc)
-    result.update(level=level, startup_to_healthy_s=startup_s, warmup_s=warmup_s,
-                  startup_phases=phases, exit_code=code)
+    result.update(level=level, mode=mode, round=round_index, startup_to_healthy_s=startup_s,
+                  warmup_s=warmup_s, startup_phases=phases, exit_code=code)
     return result
+
+
+def median_rounds(rounds: list[dict]) -> dict:
+    """The round with the median output throughput (its other figures with it), plus every
+    round's throughput."""
+    ordered = sorted(rounds, key=lambda r: r["output_throughput"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["rounds_output_throughput"] = [r["output_throughput"] for r in rounds]
+    return chosen
+
+
+def modes_markdown(results: list[dict], args: argparse.Namespace) -> str:
+    """Thread vs process x levels: throughput, TTFT and ITL percentiles, ratios."""
+    lines = [
+        f"# `vllm serve`: engine thread vs engine-core process, by level ({args.model})", "",
+        f"Load: {args.num_prompts} requests, input {args.input_len} / output {args.output_len} "
+        f"tokens (±{args.range_ratio:.0%}), request rate {args.request_rate}, max concurrency "
+        f"{args.max_concurrency or 'unlimited'}, temperature 0, ignore_eos; compile cache "
+        f"{args.compile_cache}; {args.rounds} interleaved round(s), median shown. Machine: "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}.", "",
+        "| engine | level | start-up (s) | output tok/s (rounds) | req/s | TTFT p50 / p90 / p99 "
+        "(ms) | ITL p50 / p90 / p99 (ms) | TPOT mean (ms) | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_key = {(r["mode"], r["level"]): r for r in results}
+    for r in results:
+        rounds = ", ".join(f"{x:.0f}" for x in r["rounds_output_throughput"])
+        lines.append(
+            f"| {r['mode']} | O{r['level']} | {r['startup_to_healthy_s']:.1f} | "
+            f"{r['output_throughput']:.1f} ({rounds}) | {r['request_throughput']:.2f} | "
+            f"{r['median_ttft_ms']:.0f} / {r.get('p90_ttft_ms', 0):.0f} / "
+            f"{r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.1f} / {r.get('p90_itl_ms', 0):.1f} "
+            f"/ {r['p99_itl_ms']:.1f} | {r['mean_tpot_ms']:.1f} | {r['failed']} |")
+    lines.append("")
+    modes = list(dict.fromkeys(r["mode"] for r in results))
+    levels = list(dict.fromkeys(r["level"] for r in results))
+    base_level = levels[0]
+    for mode in modes:
+        for level in levels[1:]:
+            a, b = by_key.get((mode, level)), by_key.get((mode, base_level))
+            if a and b and b["output_throughput"]:
+                lines.append(f"{mode}: O{level} vs O{base_level} output throughput "
+                             f"x{a['output_throughput'] / b['output_throughput']:.2f}")
+    if "thread" in modes and "process" in modes:
+        for level in levels:
+            a, b = by_key.get(("process", level)), by_key.get(("thread", level))
+            if a and b and b["output_throughput"]:
+                lines.append(f"O{level}: process vs thread output throughput "
+                             f"x{a['output_throughput'] / b['output_throughput']:.2f}, "
+                             f"ITL p50 x{a['median_itl_ms'] / max(b['median_itl_ms'], 1e-9):.2f}")
+    if args.note:
+        lines += ["", args.note]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
@@ -182,6 +252,12 @@ def main() -> int:
                         help="off (default): every server compiles from scratch "
                         "(VLLM_DISABLE_COMPILE_CACHE=1); on: reuse the on-disk cache.")
     parser.add_argument("--note", default=None, help="A line added under the table.")
+    parser.add_argument("--modes", default=None,
+                        help="Comma-separated engine placements: thread (in the API "
+                        "process), process (engine-core process). Default: the server's own "
+                        "default, one table row per level.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="Interleaved rounds per configuration (medians reported).")
     parser.add_argument("--log-dir", default=None,
                         help="Server logs (default: a new temporary folder).")
     args = parser.parse_args()
@@ -194,12 +270,26 @@ def main() -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_serve_levels_")
     os.makedirs(log_dir, exist_ok=True)
-    results = [run_level(args, int(level), log_dir) for level in args.levels.split(",")]
+    levels = [int(level) for level in args.levels.split(",")]
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    modes = [m.strip() for m in args.modes.split(",")] if args.modes else [None]
+    bad = [m for m in modes if m is not None and m not in MODE_ENV]
+    if bad:
+        parser.error(f"--modes: unknown {bad}; use thread and/or process")
+    runs: dict[tuple, list[dict]] = {}
+    for round_index in range(args.rounds):
+        for mode in modes:
+            for level in levels:
+                runs.setdefault((mode, level), []).append(
+                    run_level(args, level, log_dir, mode, round_index))
+    results = [median_rounds(rounds) for rounds in runs.values()]
     md_path = os.path.join(args.output_dir, f"{args.name}.md")
     json_path = os.path.join(args.output_dir, f"{args.name}.json")
     with open(json_path, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=2)
-    table = markdown(results, args)
+        json.dump({"args": vars(args), "results": results,
+                   "all_rounds": [r for rounds in runs.values() for r in rounds]}, f, indent=2)
+    table = modes_markdown(results, args) if args.modes else markdown(results, args)
     with open(md_path, "w") as f:
         f.write(table)
     print(table)

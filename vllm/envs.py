@@ -47,6 +47,9 @@ _GETTERS = {
     # Attention backend by name (default: the platform's choice).
     "VLLM_ATTENTION_BACKEND": lambda: os.environ.get("VLLM_ATTENTION_BACKEND") or None,
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
+    # The servers' engine: 1 = scheduler and model in an engine-core process of their own
+    # (vllm.engine.core), 0 = an engine thread in the API process.
+    "VLLM_ENABLE_MULTIPROCESSING": lambda: _flag("VLLM_ENABLE_MULTIPROCESSING", "0"),
     # Seconds the server's tokenizer thread may spend on one request's tokenizing and chat
     # template rendering before it is interrupted and the request refused.
     "VLLM_TOKENIZE_TIMEOUT_S": lambda: float(os.environ.get("VLLM_TOKENIZE_TIMEOUT_S") or 10.0),

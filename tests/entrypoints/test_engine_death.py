@@ -190,13 +190,13 @@ def test_generate_accepts_n_at_the_cap(generate_url):
 
 
 # ---- real server processes (slow): a TP worker killed while idle -> exit 1 ------------------
-def _worker_pids(pid: int) -> list[int]:
-    """The server's spawned tensor-parallel workers (its children running spawn_main)."""
+def _spawned_children(pid: int) -> list[int]:
+    """`pid`'s children running spawn_main (the resource tracker left out)."""
     children: set[int] = set()
     for task in os.listdir(f"/proc/{pid}/task"):  # (the engine thread started them)
         with open(f"/proc/{pid}/task/{task}/children") as f:
             children.update(int(c) for c in f.read().split())
-    workers = []
+    spawned = []
     for child in sorted(children):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
@@ -204,8 +204,17 @@ def _worker_pids(pid: int) -> list[int]:
         except OSError:
             continue
         if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-            workers.append(child)
-    return workers
+            spawned.append(child)
+    return spawned
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The server's spawned tensor-parallel workers: its spawned children, or, when the
+    engine runs in an engine-core process (VLLM_ENABLE_MULTIPROCESSING=1), that process's."""
+    spawned = _spawned_children(pid)
+    if len(spawned) == 1 and _spawned_children(spawned[0]):
+        return _spawned_children(spawned[0])
+    return spawned
 
 
 @pytest.mark.slow

@@ -23,6 +23,13 @@ Contract for callers:
     `start_health_monitor(callback)`, e.g. a tensor-parallel worker exited while idle),
     every stream fails with `EngineDeadError`, `errored` turns True (`dead_error` says why)
     and new requests are refused.
+
+Where the engine runs: `from_engine_args` builds an `LLMEngine` in the engine thread, or, with
+VLLM_ENABLE_MULTIPROCESSING=1, an `EngineCoreClient` (vllm/engine/core_client.py): the
+scheduler and the model then run in an engine-core process of their own and the engine thread
+here only detokenizes their outputs, so HTTP and SSE work no longer shares the interpreter
+lock with the model's steps. The contract above is the same either way; the core process
+dying is the engine dying (EngineDeadError).
 """
 from __future__ import annotations
 
@@ -204,11 +211,26 @@ class AsyncLLM:
         built.result()
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
-        """Build the `LLMEngine` (loads the model: slow) in the engine thread and start its
-        loop there. Building it in the caller's thread would leave that thread's OpenMP
-        team alive next to the engine thread's: the engine's parallel regions then ran
-        ~2.3x slower on the 2-core dev machine (a small linear + relu: 36 -> 84 us)."""
+    def from_engine_args(cls, engine_args: Any, *, multiprocessing: bool | None = None,
+                         **kwargs: Any) -> AsyncLLM:
+        """Build the engine (loads the model: slow) and start its loop.
+
+        `multiprocessing` (default: VLLM_ENABLE_MULTIPROCESSING): the scheduler and the model
+        run in an engine-core process (`vllm.engine.core`) and the engine thread here drives
+        an `EngineCoreClient`, which detokenizes; otherwise an `LLMEngine` is built in the
+        engine thread and runs there. (Built in the engine thread, not the caller's: a
+        second thread's OpenMP team alive next to the engine thread's made the engine's
+        parallel regions ~2.3x slower on the 2-core dev machine, a small linear + relu: 36 ->
+        84 us.)"""
+        if multiprocessing is None:
+            from vllm import envs
+
+            multiprocessing = envs.VLLM_ENABLE_MULTIPROCESSING
+        if multiprocessing:
+            from vllm.engine.core_client import EngineCoreClient
+
+            return cls(build_engine=lambda: EngineCoreClient.from_engine_args(engine_args),
+                       **kwargs)
         from vllm.engine.llm_engine import LLMEngine
 
         return cls(build_engine=lambda: LLMEngine.from_engine_args(engine_args), **kwargs)
@@ -258,8 +280,10 @@ class AsyncLLM:
             return list(self._streams)
 
     def get_stats(self) -> dict[str, Any]:
-        """The engine's `stats()` as of the last step or command, plus `num_in_flight`."""
-        stats = dict(self._stats)
+        """The engine's `stats()` as of the last step or command (an engine core's newest,
+        whenever it sent them), plus `num_in_flight`."""
+        live = getattr(self.engine, "live_stats", None)
+        stats = dict(live()) if callable(live) else dict(self._stats)
         stats["num_in_flight"] = self.num_in_flight
         return stats
 

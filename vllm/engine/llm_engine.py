@@ -6,6 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,19 +54,32 @@ def _as_id_set(value: Any) -> set[int]:
     return {int(v) for v in value}
 
 
-class LLMEngine:
-    """The synchronous engine: requests in, RequestOutputs out, one step at a time."""
+@dataclass
+class PreparedRequest:
+    """A validated request, split into its n sequences (`InputProcessor.prepare_request`):
+    what the scheduler and the output processor are given."""
 
-    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
-                 log_stats: bool = False, load_format: str = "auto",
-                 startup_timer: StartupTimer | None = None) -> None:
-        """`startup_timer`: the process-wide timer, already reset and holding the config
-        resolution (`from_engine_args`); None resets it here."""
-        timer = startup_timer or reset_startup_timer()
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    internal_ids: list[str]
+    child_params: list[SamplingParams]
+    max_tokens: int
+    arrival_time: float | None = None
+
+
+class InputProcessor:
+    """The request side of an engine: the tokenizer, the model's generation defaults and the
+    checks that turn a prompt and its SamplingParams into a `PreparedRequest`. `LLMEngine`
+    is one; in `vllm serve`'s API process, so is `vllm.engine.core_client.EngineCoreClient`
+    (the scheduler and the model then run in the engine-core process)."""
+
+    output_processor: OutputProcessor
+
+    def _init_inputs(self, vllm_config: VllmConfig, timer: StartupTimer) -> None:
         self.vllm_config = vllm_config
         self.model_config = mc = vllm_config.model_config
-        self.log_stats = log_stats
-        logger.info("%s", vllm_config.summary_line())
         with timer.phase("tokenizer loading"):
             self.tokenizer = load_tokenizer(mc.tokenizer_path, mc.trust_remote_code,
                                             mc.tokenizer_mode)
@@ -73,40 +87,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.get_vocab_size()
-        self.device = vllm_config.platform.torch_device()
-        executor_class = executor_class or Executor.get_class(vllm_config)
-        self.executor = executor_class(vllm_config, load_format=load_format)
-        self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
-                                   self.executor.num_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.step_recovery = StepRecovery(self)
-        self._last_log = time.monotonic()
-        self._generated_since_log = 0
-        self._finish_startup(timer)
 
-    def _finish_startup(self, timer: StartupTimer) -> None:
-        """Close the start-up timer: `startup_phases` (phase -> seconds, "other" included, the
-        rows adding up to `startup_seconds`), `startup_report` (every event) and one log
-        table."""
-        wall = timer.wall_seconds()
-        self.startup_seconds = wall
-        self.startup_phases: dict[str, float] = timer.phase_seconds(wall)
-        self.startup_report: dict[str, Any] = {**timer.as_dict(), "wall_seconds": wall}
-        logger.info("Start-up phases (ready in %.2f s, level O%d):\n%s", wall,
-                    int(self.vllm_config.optimization_level), timer.table(wall))
-
-    @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
-        timer = reset_startup_timer()
-        with timer.phase("config resolution"):
-            config = engine_args.create_engine_config()
-        kwargs.setdefault("log_stats", not engine_args.disable_log_stats)
-        kwargs.setdefault("startup_timer", timer)
-        return cls(config, **kwargs)
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config: VllmConfig, **kwargs: Any) -> LLMEngine:
-        return cls(vllm_config, **kwargs)
+    def _ids_in_use(self, internal_ids: list[str]) -> list[str]:
+        """Those of `internal_ids` that a live sequence already has."""
+        return [i for i in internal_ids if i in self.output_processor._seq_to_request]
 
     # ---- model facts --------------------------------------------------------------------
     def _read_generation_config(self) -> dict:
@@ -191,11 +175,11 @@ class LLMEngine:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, "
                                  f"{self.vocab_size}): {bad[:5]}")
 
-    def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; raises ValueError for an invalid prompt (e.g. longer than
-        max_model_len) or a request id already in use, leaving other requests untouched."""
+    def prepare_request(self, request_id: str, prompt: PromptType,
+                        params: SamplingParams | None = None,
+                        arrival_time: float | None = None) -> PreparedRequest:
+        """Validate a request and split it into its n sequences; raises ValueError for an
+        invalid prompt (e.g. longer than max_model_len) or a request id already in use."""
         if params is None:
             params = self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
@@ -227,13 +211,81 @@ class LLMEngine:
                     # others may then use the prefix cache.
                     child.prompt_logprobs = None
                 internal.append((f"{i}_{request_id}", child))
-        taken = [i for i, _ in internal if i in self.scheduler.requests]
+        taken = self._ids_in_use([i for i, _ in internal])
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
-        self.output_processor.add_request(request_id, text, token_ids, params,
-                                          [i for i, _ in internal], [p for _, p in internal])
-        for internal_id, child in internal:
-            request = Request(internal_id, token_ids, child, max_tokens, arrival_time)
+        return PreparedRequest(request_id, text, token_ids, params, [i for i, _ in internal],
+                               [p for _, p in internal], max_tokens, arrival_time)
+
+
+class LLMEngine(InputProcessor):
+    """The synchronous engine: requests in, RequestOutputs out, one step at a time."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None,
+                 log_stats: bool = False, load_format: str = "auto",
+                 startup_timer: StartupTimer | None = None,
+                 output_processor_class: type[OutputProcessor] = OutputProcessor) -> None:
+        """`startup_timer`: the process-wide timer, already reset and holding the config
+        resolution (`from_engine_args`); None resets it here. `output_processor_class`: the
+        engine-core process passes one that only collects each step's token ids (the API
+        process detokenizes them)."""
+        timer = startup_timer or reset_startup_timer()
+        self.log_stats = log_stats
+        logger.info("%s", vllm_config.summary_line())
+        self._init_inputs(vllm_config, timer)
+        self.device = vllm_config.platform.torch_device()
+        executor_class = executor_class or Executor.get_class(vllm_config)
+        self.executor = executor_class(vllm_config, load_format=load_format)
+        self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
+                                   self.executor.num_blocks)
+        self.output_processor = output_processor_class(self.tokenizer)
+        self.step_recovery = StepRecovery(self)
+        self._last_log = time.monotonic()
+        self._generated_since_log = 0
+        self._finish_startup(timer)
+
+    def _finish_startup(self, timer: StartupTimer) -> None:
+        """Close the start-up timer: `startup_phases` (phase -> seconds, "other" included, the
+        rows adding up to `startup_seconds`), `startup_report` (every event) and one log
+        table."""
+        wall = timer.wall_seconds()
+        self.startup_seconds = wall
+        self.startup_phases: dict[str, float] = timer.phase_seconds(wall)
+        self.startup_report: dict[str, Any] = {**timer.as_dict(), "wall_seconds": wall}
+        logger.info("Start-up phases (ready in %.2f s, level O%d):\n%s", wall,
+                    int(self.vllm_config.optimization_level), timer.table(wall))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
+        timer = reset_startup_timer()
+        with timer.phase("config resolution"):
+            config = engine_args.create_engine_config()
+        kwargs.setdefault("log_stats", not engine_args.disable_log_stats)
+        kwargs.setdefault("startup_timer", timer)
+        return cls(config, **kwargs)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: VllmConfig, **kwargs: Any) -> LLMEngine:
+        return cls(vllm_config, **kwargs)
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError for an invalid prompt (e.g. longer than
+        max_model_len) or a request id already in use, leaving other requests untouched."""
+        self.add_prepared(self.prepare_request(request_id, prompt, params, arrival_time))
+
+    def _ids_in_use(self, internal_ids: list[str]) -> list[str]:
+        return [i for i in internal_ids if i in self.scheduler.requests]
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Hand a `prepare_request` result to the output processor and the scheduler."""
+        p = prepared
+        self.output_processor.add_request(p.request_id, p.prompt, p.prompt_token_ids,
+                                          p.params, p.internal_ids, p.child_params)
+        for internal_id, child in zip(p.internal_ids, p.child_params):
+            request = Request(internal_id, p.prompt_token_ids, child, p.max_tokens,
+                              p.arrival_time)
             if child.seed is not None:
                 request.generator = torch.Generator(device=self.device)
                 request.generator.manual_seed(child.seed)

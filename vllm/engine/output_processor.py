@@ -196,6 +196,10 @@ class OutputProcessor:
             if entry is None:
                 continue
             state, seq = entry
+            if seq.finish_reason is not None:
+                # Finished here (a stop string) while the engine core, in its own process,
+                # already ran the next step: that step's tokens are not part of it.
+                continue
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._logprob_dict(lp)
