@@ -131,3 +131,173 @@ def test_torch_and_math_utils():
     assert is_torch_equal_or_newer("1.0")
     assert (cdiv(7, 2), cdiv(8, 2), round_up(5, 4), round_down(5, 4)) == (4, 4, 8, 4)
     assert [next_power_of_2(n) for n in (0, 1, 3, 8, 9)] == [1, 1, 4, 8, 16]
+
+
+# ---- partition_rules.should_split ------------------------------------------------------------
+@torch.library.custom_op("silly_upstream_api::attention", mutates_args=["out"])
+def _silly_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+                     ) -> None:
+    out.copy_(q + k + v)
+
+
+@_silly_attention.register_fake
+def _(q, k, v, out):
+    return None
+
+
+def _call(target, args=()) -> torch.fx.Node:
+    return torch.fx.Node(torch.fx.Graph(), "n", "call_function", target, args, {})
+
+
+def test_should_split_matches_ops_and_overloads():
+    from vllm.compilation.partition_rules import should_split
+
+    add = _call(torch.ops.aten.add.default)
+    assert should_split(add, ["aten::add"]) and should_split(add, ["aten::add.default"])
+    assert not should_split(add, ["aten::add.Tensor"]) and not should_split(add, [])
+    t = (torch.ones(1),) * 4
+    packet = _call(torch.ops.silly_upstream_api.attention, t)
+    overload = _call(torch.ops.silly_upstream_api.attention.default, t)
+    assert should_split(packet, ["silly_upstream_api::attention"])
+    assert should_split(overload, ["silly_upstream_api::attention"])
+    assert should_split(overload, ["silly_upstream_api::attention.default"])
+    placeholder = torch.fx.Node(torch.fx.Graph(), "x", "placeholder", "x", (), {})
+    assert not should_split(placeholder, ["aten::add"])
+
+
+def test_split_graph_splits_where_should_split_says():
+    from vllm.compilation.partition_rules import should_split
+    from vllm.compilation.split import split_graph
+
+    def f(x):
+        out = torch.empty_like(x)
+        torch.ops.silly_upstream_api.attention(x, x, x, out)
+        return out * 2 + x
+
+    gm = torch.fx.symbolic_trace(f)
+    ops = ["silly_upstream_api::attention"]
+    assert sum(should_split(n, ops) for n in gm.graph.nodes) == 1
+    _, items = split_graph(gm, ops)
+    assert [item.is_splitting for item in items] == [False, True, False]
+
+
+# ---- a user's graph pass (inductor_compile_config["post_grad_custom_post_pass"]) -------------
+class _RangeRecorder(InductorPass):
+    """Records the compile range and whether the graph's shapes are static, per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Range, bool]] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch.fx.experimental.symbolic_shapes import is_symbolic
+
+        symbolic = any(
+            isinstance(v, torch.Tensor) and any(is_symbolic(d) for d in v.shape)
+            for v in (n.meta.get("val") for n in graph.nodes))
+        self.calls.append((get_pass_context().compile_range, not symbolic))
+
+    def uuid(self) -> str:
+        return InductorPass.hash_dict({"recorder": 1})
+
+
+def test_user_pass_runs_after_ours_in_the_manager():
+    user = _RangeRecorder()
+    config = VllmConfig(compilation_config=CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE, pass_config=PassConfig(eliminate_noops=True),
+        inductor_compile_config={"post_grad_custom_post_pass": user}))
+    manager = PostGradPassManager().configure(config)
+    names = [p.name for p in manager.all_passes()]
+    assert names == ["NoOpEliminationPass", "_RangeRecorder", "PostCleanupPass",
+                     "FixFunctionalizationPass"]
+    with pass_context(Range(1, 8)):
+        without = PostGradPassManager().configure(VllmConfig(compilation_config=CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, pass_config=PassConfig(eliminate_noops=True))))
+        assert manager.uuid() != without.uuid()  # the user's pass is in the cache key
+        manager(torch.fx.Graph())
+    assert user.calls == [(Range(1, 8), True)]
+
+
+def test_user_pass_alone_for_torchs_own_backend():
+    from vllm.compilation.compiler_interface import inductor_config_patches
+
+    user = _RangeRecorder()
+    config = VllmConfig(compilation_config=CompilationConfig(
+        mode=CompilationMode.STOCK_TORCH_COMPILE,
+        inductor_compile_config={"post_grad_custom_post_pass": user}))
+    wrapped = inductor_config_patches(config, None)["post_grad_custom_post_pass"]
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    assert isinstance(wrapped, CustomGraphPass) and wrapped.uuid() == user.uuid()
+
+
+# ---- compile sizes compiled at start-up ------------------------------------------------------
+class _Model(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + x
+        out = torch.empty_like(x)
+        torch.ops.silly_upstream_api.attention(x, x, x, out)
+        return out * 3
+
+
+def _compiled(backend: str, user: InductorPass, endpoints: list[int], sizes: list[int]):
+    from vllm.compilation.decorators import support_torch_compile
+    from vllm.config import SchedulerConfig, set_current_vllm_config
+
+    config = VllmConfig(
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=8192, max_model_len=8192),
+        compilation_config=CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, backend=backend,
+            compile_ranges_endpoints=endpoints, compile_sizes=sizes,
+            inductor_compile_config={"post_grad_custom_post_pass": user}))
+    cls = support_torch_compile(type("UpstreamApiModel", (_Model,), {}))
+    with set_current_vllm_config(config):
+        return config, cls().eval()
+
+
+def _run(config, model, batch_sizes):
+    from vllm.forward_context import set_forward_context
+
+    with torch.inference_mode(), set_forward_context({}, vllm_config=config):
+        for n in batch_sizes:
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(model(x), (x + x) * 3 * 3)
+
+
+@pytest.fixture
+def _no_compile_cache(monkeypatch):
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compile_sizes_are_compiled_at_start_up(_no_compile_cache):
+    """Endpoints [8, 32] and sizes [16, 64, 128]: 3 ranges + 3 static sizes = 6 compiles at the
+    first forward, 128 included though no batch of 128 ever runs; later batches compile
+    nothing."""
+    from vllm.compilation.counter import compilation_counter
+
+    user = _RangeRecorder()
+    config, model = _compiled("eager", user, [8, 32], [16, 64, 128])
+    with compilation_counter.expect(num_graphs_seen=1, num_piecewise_graphs_seen=1,
+                                    num_backend_compilations=6):
+        _run(config, model, [64])
+    with compilation_counter.expect(num_backend_compilations=0):
+        _run(config, model, [1, 4, 16, 24, 48, 8192])
+    assert sorted((r.start, r.end, static) for r, static in user.calls) == [
+        (1, 8, False), (9, 32, False), (16, 16, True), (33, 8192, False), (64, 64, True),
+        (128, 128, True)]
+
+
+@pytest.mark.slow
+def test_compile_sizes_are_static_inductor_compiles(_no_compile_cache):
+    from vllm.compilation.counter import compilation_counter
+
+    user = _RangeRecorder()
+    config, model = _compiled("inductor", user, [8], [16])
+    with compilation_counter.expect(num_backend_compilations=3, num_inductor_compiles=3):
+        _run(config, model, [1])
+    with compilation_counter.expect(num_backend_compilations=0):
+        _run(config, model, [16, 64])
+    assert sorted((r.start, r.end, static) for r, static in user.calls) == [
+        (1, 8, False), (9, 8192, False), (16, 16, True)]

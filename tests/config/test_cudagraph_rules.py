@@ -198,6 +198,11 @@ def test_inconsistent_capture_sizes_error(platform):
 @cuda
 def test_compile_sizes_expand_capture_sizes(platform):
     config = VllmConfig(model_config=model_configs.dense(),
-                        compilation_config={"compile_sizes": ["cudagraph_capture_sizes", 3],
+                        compilation_config={"compile_sizes": ["cudagraph_capture_sizes", 16],
                                             "cudagraph_capture_sizes": [1, 2, 4]})
-    assert config.compilation_config.compile_sizes == [1, 2, 3, 4]
+    assert config.compilation_config.compile_sizes == [1, 2, 4, 16]
+    # 3 tokens run padded to the captured 4: a static compile for 3 would never run.
+    with pytest.raises(ValueError, match="entry 3 would be padded to 4"):
+        VllmConfig(model_config=model_configs.dense(),
+                   compilation_config={"compile_sizes": ["cudagraph_capture_sizes", 3],
+                                       "cudagraph_capture_sizes": [1, 2, 4]})

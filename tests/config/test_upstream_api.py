@@ -197,3 +197,199 @@ def test_inconsistent_capture_sizes_are_a_validation_error(platform):
     with pytest.raises(ValidationError, match="should be consistent"):
         VllmConfig(model_config=model_configs.dense(), compilation_config=CompilationConfig(
             cudagraph_capture_sizes=[1, 2, 4], max_cudagraph_capture_size=8))
+
+
+# ---- splitting ops: set_splitting_ops_for_v1, splitting_ops_contain_attention ---------------
+def test_attention_ops_are_the_default_split_points():
+    assert CompilationConfig._attention_ops == ["vllm::unified_attention_with_output"]
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    assert not cc.splitting_ops_contain_attention()  # unset
+    assert cc.set_splitting_ops_for_v1() is not None
+    assert cc.splitting_ops == cc._attention_ops and cc.splitting_ops_contain_attention()
+    cc.set_splitting_ops_for_v1()  # a second call changes nothing
+    assert cc.splitting_ops == cc._attention_ops
+    explicit = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=["a::b"])
+    assert explicit.set_splitting_ops_for_v1() is None and explicit.splitting_ops == ["a::b"]
+    assert not explicit.splitting_ops_contain_attention()
+
+
+def test_splitting_ops_without_piecewise_compile_and_with_attention_fusion():
+    none = CompilationConfig(mode=CompilationMode.NONE)
+    none.set_splitting_ops_for_v1()
+    assert none.splitting_ops == []
+    fused = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                              pass_config=PassConfig(fuse_attn_quant=True))
+    fused.set_splitting_ops_for_v1()
+    assert fused.splitting_ops == [] and not fused.splitting_ops_contain_attention()
+    with pytest.raises(ValidationError, match="fuse_attn_quant"):
+        VllmConfig(compilation_config=CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, pass_config=PassConfig(fuse_attn_quant=True),
+            splitting_ops=CompilationConfig()._attention_ops))
+
+
+def test_vllm_config_fills_splitting_ops_through_the_compilation_config():
+    config = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE))
+    assert config.compilation_config.splitting_ops_contain_attention()
+    assert config.provenance["compilation_config.splitting_ops"].label.endswith(
+        "default split points")
+
+
+def test_deepep_all_to_all_is_refused():
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    with pytest.raises(ValueError, match="DeepEP"):
+        cc.set_splitting_ops_for_v1(all2all_backend="deepep_high_throughput",
+                                    data_parallel_size=8)
+    cc.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    assert cc.splitting_ops_contain_attention()
+
+
+# ---- capture sizes: post_init_cudagraph_sizes, _set_cudagraph_sizes ------------------------
+def test_post_init_cudagraph_sizes_sorts_and_expands():
+    cc = CompilationConfig(cudagraph_capture_sizes=[8, 1, 4, 2, 4],
+                           compile_sizes=["cudagraph_capture_sizes", 64],
+                           cudagraph_mode=CUDAGraphMode.FULL)
+    cc.post_init_cudagraph_sizes()
+    assert cc.cudagraph_capture_sizes == [1, 2, 4, 8]
+    assert cc.max_cudagraph_capture_size == 8
+    assert cc.compile_sizes == [1, 2, 4, 8, 64]  # 64: above every capture size, unpadded
+
+
+@pytest.mark.parametrize("compile_size, padded", [(3, 4), (5, 8)])
+def test_compile_size_that_would_be_padded_is_refused(compile_size, padded):
+    cc = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8], compile_sizes=[compile_size],
+                           cudagraph_mode=CUDAGraphMode.FULL)
+    with pytest.raises(ValueError, match=f"entry {compile_size} would be padded to {padded}"):
+        cc.post_init_cudagraph_sizes()
+    # Without CUDA graphs nothing is padded: the same sizes are fine.
+    cc = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8], compile_sizes=[compile_size],
+                           cudagraph_mode=CUDAGraphMode.NONE)
+    cc.post_init_cudagraph_sizes()
+    assert cc.compile_sizes == [compile_size]
+
+
+def test_dispatcher_checks_padding_for_the_mode_it_captures():
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    cc = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8], compile_sizes=[3],
+                           cudagraph_mode=CUDAGraphMode.NONE)
+    cc.post_init_cudagraph_sizes()
+    config = dataclasses.replace(VllmConfig(), compilation_config=cc)
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.NONE)
+    with pytest.raises(ValueError, match="would be padded to 4"):
+        dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL)
+
+
+class _SpecConfig:
+    """A stand-in for upstream's SpeculativeConfig (this engine has no speculative decoding)."""
+
+    def __init__(self, num_speculative_tokens, schedule=None):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_speculative_tokens_per_batch_size = schedule
+
+    def uses_dynamic_speculative_decoding(self):
+        return self.num_speculative_tokens_per_batch_size is not None
+
+
+def _stand_in(max_num_seqs, max_num_batched_tokens, spec=None):
+    """What `VllmConfig._set_cudagraph_sizes` reads, without resolving a VllmConfig."""
+    from unittest import mock
+
+    config = mock.MagicMock(spec=VllmConfig)
+    config.compilation_config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    config.scheduler_config = SchedulerConfig.default_factory(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    config.model_config = mock.MagicMock(enforce_eager=False)
+    config.speculative_config = spec
+    config.num_speculative_tokens = VllmConfig.num_speculative_tokens.fget(config)
+    return config
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 100, 101, 300, 2048])
+def test_capture_sizes_without_speculation_are_unchanged(max_num_seqs):
+    from vllm.config.capture_sizes import default_capture_sizes
+
+    config = _stand_in(max_num_seqs, 1_000_000)
+    VllmConfig._set_cudagraph_sizes(config)
+    cc = config.compilation_config
+    top = min(2 * max_num_seqs, 512)
+    widest = {max_num_seqs} if max_num_seqs <= 512 else set()  # off-stride 101: added
+    expected = sorted(set(default_capture_sizes(top)) | widest)
+    assert cc.cudagraph_capture_sizes == expected
+    assert cc.max_cudagraph_capture_size == expected[-1]
+
+
+def test_capture_sizes_cover_decode_batches_under_the_ceiling():
+    # 24 requests x (1 + 16) tokens = 408 <= 512: captured exactly; 33 x 17 = 561: not.
+    for seqs, widest_captured in ((24, True), (33, False)):
+        config = _stand_in(seqs, 32768, _SpecConfig(16))
+        VllmConfig._set_cudagraph_sizes(config)
+        cc = config.compilation_config
+        assert cc.max_cudagraph_capture_size == cc.cudagraph_capture_sizes[-1] == 512
+        assert (seqs * 17 in cc.cudagraph_capture_sizes) is widest_captured
+        assert max(cc.cudagraph_capture_sizes) <= 512
+
+
+def test_capture_sizes_follow_a_dynamic_speculation_schedule():
+    # Width 4 for 1-2 requests (also the gap 3-4), then width 1 from 5 (also the tail to 17).
+    config = _stand_in(17, 32768, _SpecConfig(4, [(1, 2, 4), (5, 5, 1)]))
+    VllmConfig._set_cudagraph_sizes(config)
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert {5, 10, 20} <= set(sizes)  # 1, 2, 4 requests x 5 tokens
+    assert 34 in sizes  # 17 requests x 2 tokens
+    # A configured width above num_speculative_tokens is clamped to it.
+    config = _stand_in(16, 32768, _SpecConfig(3, [(1, 16, 5)]))
+    VllmConfig._set_cudagraph_sizes(config)
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert 64 in sizes and 6 not in sizes
+
+
+def test_capture_sizes_stay_within_the_token_budget_with_speculation():
+    config = _stand_in(32, 512, _SpecConfig(16))
+    VllmConfig._set_cudagraph_sizes(config)
+    cc = config.compilation_config
+    assert cc.max_cudagraph_capture_size == cc.cudagraph_capture_sizes[-1] == 512
+    assert 544 not in cc.cudagraph_capture_sizes
+
+
+def test_blackwell_raises_the_capture_ceiling(monkeypatch):
+    from vllm.config.capture_sizes import default_max_capture_size
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda: (10, 0))
+    assert current_platform.is_device_capability_family(100)
+    assert default_max_capture_size() == 1024
+    config = _stand_in(1024, 1_000_000)
+    VllmConfig._set_cudagraph_sizes(config)
+    assert config.compilation_config.max_cudagraph_capture_size == 1024
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda: (9, 0))
+    assert default_max_capture_size() == 512
+
+
+def test_speculative_config_is_refused_and_query_len_is_one():
+    config = VllmConfig()
+    assert config.speculative_config is None
+    assert config.num_speculative_tokens == 0 and config.uniform_decode_query_len == 1
+    with pytest.raises(ValidationError, match="speculative decoding is not supported"):
+        VllmConfig(speculative_config=_SpecConfig(2))
+
+
+def test_empty_capture_sizes_with_cuda_graphs_is_an_error():
+    from vllm.config.capture_sizes import resolve_capture_sizes
+
+    with pytest.raises(ValueError, match=r"cudagraph_capture_sizes=\[\] captures nothing"):
+        resolve_capture_sizes([], None, 8, 2048)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        resolve_capture_sizes(None, 0, 8, 2048)
+
+
+def test_user_graph_pass_is_kept_out_of_the_config_hash():
+    from vllm.compilation.passes.inductor_pass import CallableInductorPass
+
+    plain = CompilationConfig(inductor_compile_config={"max_autotune": True})
+    with_pass = CompilationConfig(inductor_compile_config={
+        "max_autotune": True, "post_grad_custom_post_pass": CallableInductorPass(print)})
+    assert plain.compute_hash() == with_pass.compute_hash()
+    assert "post_grad_custom_post_pass" in with_pass.inductor_compile_config
+    with pytest.raises(ValidationError, match="must be an InductorPass"):
+        CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": print})

@@ -29,7 +29,7 @@ from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.compilation.debug_dump import CompilationStageError, DebugDumper
 from vllm.compilation.passes.pass_manager import PostGradPassManager
 from vllm.compilation.piecewise_backend import PiecewiseBackend
-from vllm.compilation.split import SplitItem, eager_runnable, op_names, split_graph  # noqa: F401
+from vllm.compilation.split import SplitItem, eager_runnable, split_graph
 from vllm.config.compilation import CUDAGraphMode
 from vllm.config.utils import Range, compile_ranges
 from vllm.logger import init_logger

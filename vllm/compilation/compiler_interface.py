@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from vllm.compilation.counter import compilation_counter
 from vllm.compilation.passes.inductor_pass import pass_context
+from vllm.config.compilation import POST_GRAD_PASS_KEY
 from vllm.config.utils import Range
 from vllm.logger import init_logger
 
@@ -122,7 +123,14 @@ def inductor_config_patches(vllm_config: VllmConfig, pass_manager: PostGradPassM
         patches["force_disable_caches"] = True
     patches.update(cc.inductor_compile_config or {})
     if pass_manager is not None:
-        patches["post_grad_custom_post_pass"] = pass_manager.as_inductor_pass()
+        # The manager runs a user's own pass (POST_GRAD_PASS_KEY) after ours.
+        patches[POST_GRAD_PASS_KEY] = pass_manager.as_inductor_pass()
+    elif patches.get(POST_GRAD_PASS_KEY) is not None:
+        # torch's own backend: the user's pass alone, as the CustomGraphPass Inductor keys
+        # its cache by.
+        from vllm.compilation.passes.pass_manager import as_custom_graph_pass
+
+        patches[POST_GRAD_PASS_KEY] = as_custom_graph_pass(patches[POST_GRAD_PASS_KEY])
     return patches
 
 
@@ -195,7 +203,8 @@ class InductorCompiler:
                           dump_dir=dump_dir), inductor_cache_dir(cache_dir), \
                 _quiet_unless(self.savable, "torch._inductor.standalone_compile"):
             artifact = standalone_compile(
-                gm, example_inputs, dynamic_shapes=_dynamic_shapes_source(example_inputs),
+                gm, example_inputs,
+                dynamic_shapes=_dynamic_shapes_source(example_inputs, static),
                 options={"config_patches": patches})
         compilation_counter.num_inductor_compiles += 1
         logger.debug("Inductor compiled piece %d for %s (%s) in %.2f s", piece_index,
@@ -289,13 +298,15 @@ def prepare_inductor(vllm_config: VllmConfig | None = None) -> None:
             logger.debug("Inductor preparation failed: %s", e)
 
 
-def _dynamic_shapes_source(example_inputs: list[Any]) -> str:
+def _dynamic_shapes_source(example_inputs: list[Any], static: bool = False) -> str:
     """Symbolic example inputs come from Dynamo's fake mode: compile with the shape env of the
-    ambient tracing context (where their symbols and value ranges live). Real inputs (a static
-    compile size, at run time) specialize."""
+    ambient tracing context (where their symbols and value ranges live). A static compile size
+    (its inputs concrete: fake ones of their own mode, or real ones) specializes."""
     from torch._guards import TracingContext
     from torch._subclasses.fake_tensor import FakeTensor
 
+    if static:
+        return "from_example_inputs"
     fake = any(isinstance(a, (FakeTensor, torch.SymInt)) for a in example_inputs)
     if fake and TracingContext.try_get() is not None:
         return "from_tracing_context"

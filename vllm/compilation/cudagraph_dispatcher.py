@@ -59,7 +59,9 @@ class CudagraphDispatcher:
     def initialize_cudagraph_keys(self, cudagraph_mode: CUDAGraphMode,
                                   uniform_decode_query_len: int = 1) -> None:
         """Build the key sets for `cudagraph_mode` (resolved after the attention backends are
-        known); the runner captures exactly these keys."""
+        known); the runner captures exactly these keys. A compile size these graphs would pad
+        is a ValueError ("would be padded to")."""
+        self.vllm_config.compilation_config.check_compile_sizes_padding(cudagraph_mode)
         self.cudagraph_mode = cudagraph_mode
         self.uniform_decode_query_len = uniform_decode_query_len
         for keys in self.keys.values():

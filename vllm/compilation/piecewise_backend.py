@@ -1,8 +1,11 @@
 """PiecewiseBackend: one compiled piece, dispatching on the runtime token count.
 
 A piece is compiled once per compile range with the token dimension symbolic, and once per
-`compile_sizes` entry with static shapes (lazily, at the first call of that size, from the real
-inputs). At run time an exact compile size wins, else the range holding the token count.
+`compile_sizes` entry with static shapes, all when the piece is built (at the first forward,
+during start-up): the static compiles take fake inputs whose token dimension is that size. A
+piece restored from the compile cache without its traced graph at hand loads its static
+compiles at the first call of each size (the engine's warm-up). At run time an exact compile
+size wins, else the range holding the token count.
 """
 from __future__ import annotations
 
@@ -40,6 +43,36 @@ def find_token_locator(example_inputs: list[Any]) -> tuple[int, int | None] | No
                 if _is_symbolic(size):
                     return i, d
     return None
+
+
+def concrete_inputs(example_inputs: list[Any], size: int) -> list[Any]:
+    """Fake inputs of a static compile for `size` tokens: `example_inputs` (Dynamo's fake
+    values, the token dimension symbolic) with every symbol set to `size`, in a fake mode of
+    their own (no shape environment: every shape static). Real tensors and other values are
+    kept as they are."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    def concrete(value: Any) -> int:
+        if not isinstance(value, torch.SymInt):
+            return int(value)
+        expr = value.node.expr
+        return int(expr.subs(dict.fromkeys(expr.free_symbols, size)))
+
+    mode = FakeTensorMode()
+    inputs: list[Any] = []
+    for arg in example_inputs:
+        if isinstance(arg, torch.SymInt):
+            inputs.append(concrete(arg))
+        elif isinstance(arg, FakeTensor):
+            shape = [concrete(d) for d in arg.shape]
+            stride = [concrete(d) for d in arg.stride()]
+            with mode:
+                tensor = torch.empty_strided(shape, stride, dtype=arg.dtype, device=arg.device,
+                                             requires_grad=arg.requires_grad)
+            inputs.append(tensor)
+        else:
+            inputs.append(arg)
+    return inputs
 
 
 def with_tuple_output(gm: fx.GraphModule) -> tuple[fx.GraphModule, bool]:
@@ -101,6 +134,10 @@ class PiecewiseBackend:
                 gm, example_inputs, compile_range, self.digest)
             self.range_runnables[compile_range] = vllm_backend.compile_piece(
                 gm, example_inputs, piece_index, compile_range, self.digest)
+        for size in sorted(self.compile_sizes):
+            self.size_runnables[size] = vllm_backend.compile_piece(
+                gm, concrete_inputs(example_inputs, size), piece_index, Range(size, size),
+                self.digest)
 
     def _setup(self, gm: fx.GraphModule | None, piece_index: int, vllm_backend: VllmBackend,
                single_output: bool, locator: tuple[int, int | None] | None, digest: str,

@@ -10,23 +10,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from vllm.compilation.partition_rules import matching_ops
 from vllm.config.compilation import ATTENTION_OP_NAME
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-def op_names(target: Any) -> set[str]:
-    """Names a splitting_ops entry may use for a call target: "ns::op" and "ns::op.overload"."""
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        base = target._qualified_op_name
-        return {base} | {f"{base}.{overload}" for overload in target.overloads()}
-    if isinstance(target, torch._ops.OpOverload):
-        base = target._schema.name
-        return {base, f"{base}.{target._overloadname}"}
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
-    module = getattr(target, "__module__", None)
-    return {f"{module}.{name}"} if name and module else set()
 
 
 _EAGER_IMPLS: dict[str, Callable[..., Any]] = {}
@@ -87,7 +75,7 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Sequence[str]
                 subgraph_of[node.args[0]] in splitting_ids:
             subgraph_of[node] = subgraph_of[node.args[0]]  # stays with its op's outputs
             continue
-        hit = op_names(node.target) & wanted if node.op == "call_function" else set()
+        hit = matching_ops(node, wanted)
         if hit:
             matched |= hit
             current += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.config.utils import (
     Range,
@@ -27,6 +27,10 @@ logger = init_logger(__name__)
 # around it (the default `splitting_ops`), and the attention+quant fusion rewrites it. Every
 # other module takes the name from here.
 ATTENTION_OP_NAME = "vllm::unified_attention_with_output"
+
+# The `inductor_compile_config` key of a user's own graph pass (an `InductorPass`): the pass
+# manager runs it after the configured passes (Inductor itself gets the manager under this key).
+POST_GRAD_PASS_KEY = "post_grad_custom_post_pass"
 
 
 class CompilationMode(enum.IntEnum):
@@ -241,6 +245,9 @@ class CompilationConfig:
     """The resolved token budget (scheduler_config's), recorded by `VllmConfig` for
     `get_compile_ranges()`; not a setting."""
 
+    _attention_ops: ClassVar[list[str]] = [ATTENTION_OP_NAME]
+    """The attention ops: the default `splitting_ops` of a piecewise compile."""
+
     @raises_validation_error
     def __post_init__(self) -> None:
         if self.mode is not None:
@@ -267,6 +274,15 @@ class CompilationConfig:
             raise ValueError(
                 "compilation_config.inductor_compile_config must map Inductor option names to "
                 f'values, e.g. {{"max_autotune": true}}; got {self.inductor_compile_config!r}')
+        user_pass = self.inductor_compile_config.get(POST_GRAD_PASS_KEY)
+        if user_pass is not None:
+            from vllm.compilation.passes.inductor_pass import InductorPass
+
+            if not isinstance(user_pass, InductorPass):
+                raise ValueError(
+                    f"compilation_config.inductor_compile_config[{POST_GRAD_PASS_KEY!r}] must be "
+                    f"an InductorPass (subclass it, or wrap a function as "
+                    f"CallableInductorPass(fn)); got {user_pass!r}")
         for name in ("cudagraph_capture_sizes", "compile_ranges_endpoints", "compile_sizes"):
             sizes = getattr(self, name)
             if sizes is not None and not isinstance(sizes, (list, tuple)):
@@ -362,6 +378,82 @@ class CompilationConfig:
                 f"got {self.custom_ops}")
         return bases[0] == "all"
 
+    def splitting_ops_contain_attention(self) -> bool:
+        """Whether the graph is split at every attention op (so attention runs outside the
+        compiled pieces)."""
+        return self.splitting_ops is not None and all(
+            op in self.splitting_ops for op in self._attention_ops)
+
+    def set_splitting_ops_for_v1(self, all2all_backend: str | None = None,
+                                 data_parallel_size: int = 1) -> tuple[str, str] | None:
+        """Fill `splitting_ops` when it is unset: the attention ops for a piecewise compile
+        (mode VLLM_COMPILE), none when the attention+quant fusion needs attention inside the
+        graph or nothing is compiled in pieces. An explicit list is kept; one that splits at
+        attention while `pass_config.fuse_attn_quant` is on is an error. Calling it again
+        changes nothing. Returns (label, reason) when it filled the list, else None.
+
+        `all2all_backend`/`data_parallel_size`: upstream splits at the MoE ops too for DeepEP
+        high-throughput all-to-all with data parallelism, which this engine does not have."""
+        if (all2all_backend or "").startswith("deepep") and data_parallel_size > 1:
+            raise ValueError(f"all2all_backend={all2all_backend!r} with data_parallel_size="
+                             f"{data_parallel_size} is not supported: this engine has no DeepEP "
+                             "all-to-all (its MoE layers run without expert parallelism)")
+        if self.mode != CompilationMode.VLLM_COMPILE:
+            if self.splitting_ops is None:
+                self.splitting_ops = []
+                return "no piecewise compile", "mode is not VLLM_COMPILE"
+            return None
+        if self.pass_config.fuse_attn_quant:
+            if self.splitting_ops is None:
+                self.splitting_ops = []
+                return ("fuse_attn_quant",
+                        "attention+quant fusion needs attention inside the compiled graph")
+            if self.splitting_ops_contain_attention():
+                raise ValueError(
+                    "compilation_config.pass_config.fuse_attn_quant=True needs the attention op "
+                    f"inside the compiled graph, but splitting_ops={self.splitting_ops} splits "
+                    "at it; remove it from splitting_ops.")
+            return None
+        if self.splitting_ops is None:
+            self.splitting_ops = list(self._attention_ops)
+            return "default split points", "split the graph at attention"
+        return None
+
+    def post_init_cudagraph_sizes(self) -> None:
+        """Once the capture sizes are known: sort them (no repeats), fill an unset maximum from
+        them, expand "cudagraph_capture_sizes" in `compile_sizes` (sorted, no repeats), and
+        refuse a compile size that CUDA graphs would pad (`check_compile_sizes_padding`)."""
+        if self.cudagraph_capture_sizes is not None:
+            self.cudagraph_capture_sizes = sorted(set(self.cudagraph_capture_sizes))
+            if self.max_cudagraph_capture_size is None:
+                self.max_cudagraph_capture_size = (self.cudagraph_capture_sizes[-1]
+                                                   if self.cudagraph_capture_sizes else 0)
+        expanded: set[int] = set()
+        for size in self.compile_sizes or []:
+            if size == "cudagraph_capture_sizes":
+                expanded.update(self.cudagraph_capture_sizes or [])
+            else:
+                expanded.add(int(size))
+        self.compile_sizes = sorted(expanded)
+        self.check_compile_sizes_padding(self.cudagraph_mode)
+
+    def check_compile_sizes_padding(self, cudagraph_mode: CUDAGraphMode | None) -> None:
+        """With CUDA graphs on, a batch is padded up to the next capture size, so a compile
+        size below the largest capture size that is not one itself would never run: a
+        ValueError naming it and the size it would be padded to."""
+        sizes = sorted(self.cudagraph_capture_sizes or [])
+        if not cudagraph_mode or not sizes:
+            return
+        for size in self.compile_sizes or []:
+            if isinstance(size, int) and size <= sizes[-1] and size not in sizes:
+                padded = next(s for s in sizes if s >= size)
+                raise ValueError(
+                    f"compilation_config.compile_sizes entry {size} would be padded to {padded} "
+                    f"by CUDA graphs (capture sizes {sizes}), so its static compile would never "
+                    f"run; use capture sizes as compile sizes (e.g. "
+                    "['cudagraph_capture_sizes']), sizes above the largest capture size, or "
+                    "add it to cudagraph_capture_sizes")
+
     def get_compile_ranges(self) -> list[Range]:
         """The token-count ranges each piece is compiled for with a dynamic batch dimension:
         [1, e0], [e0+1, e1], ..., [e_last+1, max_num_batched_tokens], split at
@@ -376,8 +468,15 @@ class CompilationConfig:
     def compute_hash(self) -> str:
         """Hash of everything here that changes the compiled graph (not paths, warm-up counts or
         which CUDA graphs are captured: the capture sizes follow max_num_seqs, and a size that
-        is also compiled statically is in the expanded `compile_sizes`)."""
-        return hash_fields(self, exclude=("cache_dir", "debug_dump_path",
-                                          "cudagraph_num_of_warmups", "cudagraph_capture_sizes",
-                                          "max_cudagraph_capture_size",
-                                          "max_num_batched_tokens"))
+        is also compiled statically is in the expanded `compile_sizes`). A user's graph pass in
+        `inductor_compile_config` is left out: the pass manager's uuid, which holds its
+        `uuid()`, is in the compile cache's key."""
+        exclude = ("cache_dir", "debug_dump_path", "cudagraph_num_of_warmups",
+                   "cudagraph_capture_sizes", "max_cudagraph_capture_size",
+                   "max_num_batched_tokens")
+        if POST_GRAD_PASS_KEY not in self.inductor_compile_config:
+            return hash_fields(self, exclude=exclude)
+        options = dict(self.inductor_compile_config)
+        del options[POST_GRAD_PASS_KEY]
+        return hash_fields(dataclasses.replace(self, inductor_compile_config=options),
+                           exclude=exclude)

@@ -22,7 +22,6 @@ from typing import Any
 
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import (
-    ATTENTION_OP_NAME,
     CompilationConfig,
     CompilationMode,
     CUDAGraphMode,
@@ -48,7 +47,7 @@ __all__ = ["VllmConfig", "OptimizationLevel", "ConfigSource", "Provenance",
            "OPTIMIZATION_LEVEL_TO_CONFIG"]
 
 # The attention custom op: the default split point for piecewise compilation.
-ATTENTION_OPS = [ATTENTION_OP_NAME]
+ATTENTION_OPS = CompilationConfig._attention_ops
 
 # Leaves outside the level table whose provenance is also reported.
 DERIVED_FIELDS = ("compilation_config.backend", "compilation_config.custom_ops",
@@ -111,6 +110,10 @@ class VllmConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     optimization_level: OptimizationLevel | int | str | None = None
     """O0..O3 (also 0..3, "2", "O2"); None = O2, the default."""
+    speculative_config: Any = None
+    """Upstream's speculative decoding settings: this engine has none, so only None is
+    accepted (the capture sizes still know the decode query length a speculating engine
+    would have: `uniform_decode_query_len`)."""
     provenance: dict[str, Provenance] = field(default_factory=dict, init=False, repr=False)
     _downgraded_from: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
@@ -120,6 +123,10 @@ class VllmConfig:
         from vllm.platforms import get_current_platform
 
         self.platform = get_current_platform()
+        if self.speculative_config is not None:
+            raise ValueError(
+                f"speculative_config={self.speculative_config!r}: speculative decoding is not "
+                "supported by this engine; leave speculative_config unset")
         if self.model_config is not None:
             self.model_config.verify_with_parallel_config(
                 self.parallel_config.tensor_parallel_size)
@@ -292,26 +299,12 @@ class VllmConfig:
         self._set_splitting_ops()
 
     def _set_splitting_ops(self) -> None:
-        cc, pc = self.compilation_config, self.compilation_config.pass_config
-        if cc.mode != CompilationMode.VLLM_COMPILE:
-            if cc.splitting_ops is None:
-                self._set("compilation_config.splitting_ops", [],
-                          Provenance(ConfigSource.DERIVED, "no piecewise compile",
-                                     "mode is not VLLM_COMPILE"))
-            return
-        if pc.fuse_attn_quant:
-            if cc.splitting_ops is None:
-                self._set("compilation_config.splitting_ops", [], Provenance(
-                    ConfigSource.DERIVED, "fuse_attn_quant", "attention+quant fusion needs "
-                    "attention inside the compiled graph"))
-            elif set(ATTENTION_OPS) <= set(cc.splitting_ops):
-                raise ValueError(
-                    "compilation_config.pass_config.fuse_attn_quant=True needs the attention op "
-                    f"inside the compiled graph, but splitting_ops={cc.splitting_ops} splits at "
-                    "it; remove it from splitting_ops.")
-        elif cc.splitting_ops is None:
-            self._set("compilation_config.splitting_ops", list(ATTENTION_OPS), Provenance(
-                ConfigSource.DERIVED, "default split points", "split the graph at attention"))
+        cc, pc = self.compilation_config, self.parallel_config
+        filled = cc.set_splitting_ops_for_v1(data_parallel_size=pc.data_parallel_size)
+        if filled is not None:
+            label, reason = filled
+            self.provenance["compilation_config.splitting_ops"] = Provenance(
+                ConfigSource.DERIVED, label, reason)
 
     def _resolve_cudagraph_mode(self) -> None:
         """What the compiled model and the attention backend can capture. (A platform without
@@ -387,38 +380,64 @@ class VllmConfig:
         logger.info("CUDA graph mode %s -> %s: %s.", old, new, why)
         self._downgrade(path, new, why)
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per request and decode step (0: no speculative decoding)."""
+        spec = self.speculative_config
+        return int(spec.num_speculative_tokens) if spec is not None else 0
+
+    @property
+    def uniform_decode_query_len(self) -> int:
+        """Tokens per request in a uniform decode batch: 1 + num_speculative_tokens."""
+        return 1 + self.num_speculative_tokens
+
     def _set_cudagraph_sizes(self) -> None:
+        """The capture sizes and their maximum (config/capture_sizes.py); values given are
+        kept (an inconsistent pair is an error, sizes above the token budget are dropped with
+        a warning). Reads only the sub-configs, `speculative_config`, `num_speculative_tokens`
+        and `model_config.enforce_eager`, so a stand-in with those attributes can run it."""
         cc, sc = self.compilation_config, self.scheduler_config
+        provenance = self.__dict__.get("provenance")  # None on a stand-in
+
+        def record(path: str, value: Any, prov: Provenance) -> None:
+            setattr(cc, path.rsplit(".", 1)[1], value)
+            if isinstance(provenance, dict):
+                provenance[path] = prov
+
         sizes_path = "compilation_config.cudagraph_capture_sizes"
         max_path = "compilation_config.max_cudagraph_capture_size"
+        # Nothing before this sets the two (no level leaf): a value here is the user's.
+        user = {sizes_path: cc.cudagraph_capture_sizes, max_path: cc.max_cudagraph_capture_size}
         if cc.cudagraph_mode == CUDAGraphMode.NONE or self.model_config is None:
             if cc.cudagraph_capture_sizes is None:
-                self._set(sizes_path, [], _NO_GRAPHS)
+                record(sizes_path, [], _NO_GRAPHS)
             if cc.max_cudagraph_capture_size is None:
-                self._set(max_path, 0, _NO_GRAPHS)
+                record(max_path, 0, _NO_GRAPHS)
             return
-        from vllm.config.capture_sizes import resolve_capture_sizes
+        from vllm.config.capture_sizes import default_max_capture_size, resolve_capture_sizes
 
+        spec = self.speculative_config
+        schedule = None
+        if spec is not None and spec.uses_dynamic_speculative_decoding():
+            schedule = spec.num_speculative_tokens_per_batch_size
+        platform = self.__dict__.get("platform")
         sizes, max_size, reason = resolve_capture_sizes(
             cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size, sc.max_num_seqs,
-            sc.max_num_batched_tokens)
+            sc.max_num_batched_tokens, self.num_speculative_tokens, schedule,
+            default_max_capture_size(platform))
         for path, value in ((sizes_path, sizes), (max_path, max_size)):
-            if self._is_user(path) and self.get_path(path) != value:
+            if user[path] is None:
+                record(path, value, Provenance(ConfigSource.DERIVED, "capture sizes", reason))
+            elif user[path] != value:
                 logger.warning("%s: %s", path, reason)
-                self._set(path, value, Provenance(ConfigSource.DERIVED, "adjusted user value",
-                                                  reason))
-            elif not self._is_user(path):
-                self._set(path, value, Provenance(ConfigSource.DERIVED, "capture sizes", reason))
+                record(path, value, Provenance(ConfigSource.DERIVED, "adjusted user value",
+                                               reason))
 
     def _set_compile_sizes(self) -> None:
         cc = self.compilation_config
-        expanded: list[int] = []
-        for size in cc.compile_sizes or []:
-            items = cc.cudagraph_capture_sizes if size == "cudagraph_capture_sizes" else [size]
-            for item in items:
-                if item <= self.scheduler_config.max_num_batched_tokens and item not in expanded:
-                    expanded.append(int(item))
-        cc.compile_sizes = sorted(expanded)
+        cc.post_init_cudagraph_sizes()
+        cc.compile_sizes = [s for s in cc.compile_sizes
+                            if s <= self.scheduler_config.max_num_batched_tokens]
 
     def _set_compile_ranges(self) -> None:
         """Record the resolved token budget on the compilation config, so that

@@ -77,6 +77,12 @@ class Platform:
     def get_device_capability(self) -> tuple[int, int] | None:
         return None
 
+    def is_device_capability_family(self, capability: int) -> bool:
+        """Whether the device's compute capability has the major version of `capability`
+        (written as major x 10 + minor: 100 = Blackwell 10.x)."""
+        current = self.get_device_capability()
+        return current is not None and current[0] == capability // 10
+
     def torch_device(self) -> torch.device:
         import torch
 

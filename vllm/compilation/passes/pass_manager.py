@@ -30,6 +30,7 @@ from vllm.compilation.passes.inductor_pass import (
 from vllm.compilation.passes.registry import enabled_entries, has_pass
 from vllm.compilation.passes.utility.fix_functionalization import FixFunctionalizationPass
 from vllm.compilation.passes.utility.post_cleanup import PostCleanupPass
+from vllm.config.compilation import POST_GRAD_PASS_KEY
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -83,6 +84,12 @@ class PostGradPassManager:
                                "nothing is fused", entry.flag)
             else:
                 self.add(_build(entry.pass_class, vllm_config))
+        # A user's own pass (inductor_compile_config["post_grad_custom_post_pass"]) runs after
+        # ours, before the clean-up; Inductor gets this manager under that key instead.
+        user_pass = vllm_config.compilation_config.inductor_compile_config.get(
+            POST_GRAD_PASS_KEY)
+        if user_pass is not None:
+            self.add(user_pass)
         return self
 
     def log_match_counts(self) -> None:
@@ -141,7 +148,7 @@ class PostGradPassManager:
     def as_inductor_pass(self) -> object:
         """This manager as an Inductor `CustomGraphPass` (Inductor's FX graph cache takes its
         `uuid()` into the key only from one)."""
-        return _inductor_pass_class()(self)
+        return as_custom_graph_pass(self)
 
     def uuid(self) -> str:
         """Changes with any pass flag, any pass's source, the set of passes and the compile
@@ -152,14 +159,20 @@ class PostGradPassManager:
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
+def as_custom_graph_pass(graph_pass: PostGradPassManager | InductorPass) -> object:
+    """A pass manager or a single pass as an Inductor `CustomGraphPass` (its `uuid()` in
+    Inductor's cache key)."""
+    return _inductor_pass_class()(graph_pass)
+
+
 @functools.cache
 def _inductor_pass_class() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class InductorPostGradPass(CustomGraphPass):
-        """A `PostGradPassManager` as Inductor's post-grad custom pass."""
+        """A `PostGradPassManager` (or one pass) as Inductor's post-grad custom pass."""
 
-        def __init__(self, manager: PostGradPassManager) -> None:
+        def __init__(self, manager: PostGradPassManager | InductorPass) -> None:
             self.manager = manager
 
         def __call__(self, graph: fx.Graph) -> None:
