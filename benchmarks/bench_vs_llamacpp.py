@@ -39,6 +39,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # this checkout's vllm, installed or not
 _RESULT = "VS_LLAMACPP_RESULT "
 ENGINES = ("hf", "llamacpp", "O0", "O2", "O3")
 LABELS = {"hf": "transformers eager", "llamacpp": "llama.cpp", "O0": "ours -O0",
@@ -371,9 +372,7 @@ def spawn(args, engine: str, case: dict | None = None, dtype: str = "float32",
            str(args.b16_max_tokens)]
     if case:
         cmd += ["--path", case["path"], "--gguf", case["gguf"]]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(args.threads),
-           "VLLM_CACHE_ROOT": os.path.join(args.ckpt_root, "vllm_cache"),
-           "TORCHINDUCTOR_CACHE_DIR": os.path.join(args.ckpt_root, "vllm_cache", "inductor")}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(args.threads)}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env,
                              timeout=args.worker_timeout)
@@ -494,7 +493,7 @@ def markdown(summary: dict) -> str:
         for e in engines:
             ent = r["engines"][e]
             cells.append("n/a" if ent["tok_s"] is None else
-                         f"{ent['weight_read_gb_s']:.1f} ({fmt(ent['pct_of_bandwidth'], '.0f')}%)")
+                         f"{ent['weight_read_gb_s']:.2f} ({fmt(ent['pct_of_bandwidth'], '.0f')}%)")
         lines.append(f"| {SHAPE_LABELS.get(r['shape'], r['shape'])} | {r['dtype']} | "
                      f"{r['weight_bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
     lines += ["", f"Greedy check: how many of the first {CHECK_TOKENS} batch-1 tokens of each "
@@ -507,8 +506,11 @@ def markdown(summary: dict) -> str:
                      f"{LABELS[c['reference']]} | "
                      + " | ".join(str(c["leading_match"].get(e, "n/a")) for e in engines)
                      + " |")
-    errors = [(r["shape"], r["dtype"], e, err) for r in summary["rows"]
-              for e, ent in r["engines"].items() for err in ent["errors"]]
+    errors = []  # each failed process once (it shows in its batch-1 and batch-16 rows)
+    for r in summary["rows"]:
+        if r["workload"] == "b1":
+            errors += [(r["shape"], r["dtype"], e, err) for e, ent in r["engines"].items()
+                       for err in ent["errors"]]
     if errors:
         lines += ["", "Failed runs:", ""]
         lines += [f"- {s} {d} {LABELS[e]}: {err.splitlines()[-1] if err else err}"
