@@ -301,3 +301,33 @@ def test_compile_sizes_are_static_inductor_compiles(_no_compile_cache):
         _run(config, model, [16, 64])
     assert sorted((r.start, r.end, static) for r, static in user.calls) == [
         (1, 8, False), (9, 8192, False), (16, 16, True)]
+
+
+def test_concrete_inputs_of_a_static_compile():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from vllm.compilation.piecewise_backend import concrete_inputs
+
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["values"] = [n.meta["example_value"] for n in gm.graph.nodes
+                              if n.op == "placeholder"]
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, y: (x.reshape(-1) * 2, y.t()), backend=backend)
+    x = torch.randn(6, 3)
+    torch._dynamo.mark_dynamic(x, 0)
+    fn(x, torch.randn(3, 5).t())  # y: not contiguous
+    torch._dynamo.reset()
+    values = captured["values"]
+    assert isinstance(values[0], torch.SymInt)
+    size, xs, ys = concrete_inputs(values, 16)
+    assert size == 16 and isinstance(xs, FakeTensor) and isinstance(ys, FakeTensor)
+    assert (tuple(xs.shape), xs.stride()) == ((16, 3), (3, 1))
+    assert (tuple(ys.shape), ys.stride()) == ((5, 3), (1, 5))  # strides kept
+    assert xs.fake_mode is not values[1].fake_mode  # no shape environment: all static
+    # An input without a strided layout cannot be rebuilt: compiled from real inputs later.
+    sparse = FakeTensorMode().from_tensor(torch.randn(4, 4).to_sparse())
+    assert concrete_inputs([sparse], 4) is None

@@ -45,11 +45,12 @@ def find_token_locator(example_inputs: list[Any]) -> tuple[int, int | None] | No
     return None
 
 
-def concrete_inputs(example_inputs: list[Any], size: int) -> list[Any]:
+def concrete_inputs(example_inputs: list[Any], size: int) -> list[Any] | None:
     """Fake inputs of a static compile for `size` tokens: `example_inputs` (Dynamo's fake
     values, the token dimension symbolic) with every symbol set to `size`, in a fake mode of
     their own (no shape environment: every shape static). Real tensors and other values are
-    kept as they are."""
+    kept as they are. None when an input has no strided layout to rebuild (e.g. an MKLDNN
+    tensor): that size is then compiled from the real inputs of its first call."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     def concrete(value: Any) -> int:
@@ -64,6 +65,8 @@ def concrete_inputs(example_inputs: list[Any], size: int) -> list[Any]:
         if isinstance(arg, torch.SymInt):
             inputs.append(concrete(arg))
         elif isinstance(arg, FakeTensor):
+            if arg.layout != torch.strided:
+                return None
             shape = [concrete(d) for d in arg.shape]
             stride = [concrete(d) for d in arg.stride()]
             with mode:
@@ -135,9 +138,10 @@ class PiecewiseBackend:
             self.range_runnables[compile_range] = vllm_backend.compile_piece(
                 gm, example_inputs, piece_index, compile_range, self.digest)
         for size in sorted(self.compile_sizes):
-            self.size_runnables[size] = vllm_backend.compile_piece(
-                gm, concrete_inputs(example_inputs, size), piece_index, Range(size, size),
-                self.digest)
+            inputs = concrete_inputs(example_inputs, size)
+            if inputs is not None:
+                self.size_runnables[size] = vllm_backend.compile_piece(
+                    gm, inputs, piece_index, Range(size, size), self.digest)
 
     def _setup(self, gm: fx.GraphModule | None, piece_index: int, vllm_backend: VllmBackend,
                single_output: bool, locator: tuple[int, int | None] | None, digest: str,

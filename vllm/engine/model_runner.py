@@ -246,8 +246,9 @@ class ModelRunner:
     def compile_or_warm_up_model(self) -> None:
         """Compile during start-up, not on the first request: a forward over dummy requests
         (KV in the reserved block 0) runs the Dynamo trace and compiles the dynamic graph
-        (every compile range); then one forward per `compile_sizes` entry compiles its static
-        shapes; then the CUDA graphs are captured. At -O0 the forward only warms up."""
+        (every compile range, and every `compile_sizes` entry statically); then one forward
+        per `compile_sizes` entry runs it (a warm start loads its code there); then the CUDA
+        graphs are captured. At -O0 the forward only warms up."""
         from vllm.config.compilation import CompilationMode
 
         reports = contextlib.nullcontext()
