@@ -9,10 +9,12 @@ would meet it); "idle" runs without it. Variants, interleaved round by round:
 
   before   the old behaviour: torch's default threads, no contention governor, libgomp's own
            wait policy (VLLM_CPU_ADAPTIVE_THREADS=0 VLLM_CPU_OMP_WAIT_POLICY=default)
-  after    the defaults now
-  passive  `after` with OMP_WAIT_POLICY=PASSIVE
-  spin10k  `after` with GOMP_SPINCOUNT=10000
-  before_passive  `before` with OMP_WAIT_POLICY=PASSIVE (the wait policy alone)
+  after    the defaults now (the governor, OMP_WAIT_POLICY=PASSIVE set on import vllm)
+  after_gomp_default  `after` with libgomp's own wait policy (VLLM_CPU_OMP_WAIT_POLICY=default)
+  spin10k, spin1k  `after` with GOMP_SPINCOUNT=10000 / 1000 instead of PASSIVE (spin a
+           little at each barrier before sleeping: cheaper wake-ups idle)
+  before_passive / before_spin10k  `before` with OMP_WAIT_POLICY=PASSIVE / GOMP_SPINCOUNT=10000
+           (the wait policy alone, without the governor)
   omp1     OMP_NUM_THREADS=1 (the user's own fix; a reference)
 
 Goal (issue 21 section 3): busy / idle per token <= 2 for `after`.
@@ -41,9 +43,11 @@ ROOT = os.path.dirname(HERE)
 VARIANTS = {
     "before": {"VLLM_CPU_ADAPTIVE_THREADS": "0", "VLLM_CPU_OMP_WAIT_POLICY": "default"},
     "after": {},
-    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "after_gomp_default": {"VLLM_CPU_OMP_WAIT_POLICY": "default"},
     "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin1k": {"GOMP_SPINCOUNT": "1000"},
     "before_passive": {"VLLM_CPU_ADAPTIVE_THREADS": "0", "OMP_WAIT_POLICY": "PASSIVE"},
+    "before_spin10k": {"VLLM_CPU_ADAPTIVE_THREADS": "0", "GOMP_SPINCOUNT": "10000"},
     "omp1": {"OMP_NUM_THREADS": "1"},
 }
 # Variables the parent's environment must not leak into a variant.
@@ -186,7 +190,8 @@ def main() -> None:
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     p.add_argument("--models", default="demo,llama-50m",
                    help="comma list: demo and/or shapes of benchmarks/checkpoints.py")
-    p.add_argument("--variants", default="before,after,passive,spin10k,before_passive,omp1")
+    p.add_argument("--variants", default="before,after,after_gomp_default,spin1k,omp1",
+                   help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("-O", type=int, default=2, help="optimization level")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)

@@ -420,6 +420,21 @@ def test_omp_env_choices(monkeypatch):
         omp_env.omp_env_defaults({"VLLM_CPU_OMP_WAIT_POLICY": "spin"})
 
 
+def test_omp_env_default_is_passive():
+    # The measured choice (vllm/utils/omp_env.py says why): PASSIVE unless the user set one.
+    assert omp_env.omp_env_defaults({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert omp_env.omp_env_defaults({"VLLM_CPU_OMP_WAIT_POLICY": "auto"}) == {
+        "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_describe_wait_policy(monkeypatch):
+    monkeypatch.setattr(omp_env, "_applied", {})
+    assert omp_env.describe_wait_policy({"GOMP_SPINCOUNT": "5"}) == "GOMP_SPINCOUNT=5"
+    assert "libgomp's default" in omp_env.describe_wait_policy({})
+    monkeypatch.setattr(omp_env, "_applied", {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert omp_env.describe_wait_policy({}) == "OMP_WAIT_POLICY=PASSIVE (set on import vllm)"
+
+
 def test_omp_env_only_before_torch():
     env = {"VLLM_CPU_OMP_WAIT_POLICY": "passive"}
     assert omp_env.apply_omp_env_defaults(env, modules={"torch": object()}) == {}

@@ -396,8 +396,11 @@ def apply_thread_plan(plan: ThreadPlan, rank: int = 0) -> list[int] | None:
         torch.set_num_threads(plan.num_threads)
     if not plan.explicit:
         _last_set_by_us = plan.num_threads
+    from vllm.utils.omp_env import describe_wait_policy
+
     msg = (f"CPU intra-op threads: {plan.num_threads} (rank {rank}): {plan.reason}"
-           + (f"; bound to CPUs {format_cpu_list(plan.bind_cpus)}" if plan.bind_cpus else ""))
+           + (f"; bound to CPUs {format_cpu_list(plan.bind_cpus)}" if plan.bind_cpus else "")
+           + f"; OpenMP wait policy: {describe_wait_policy()}")
     if msg not in _logged:
         _logged.add(msg)
         logger.info(msg)

@@ -18,14 +18,17 @@ import sys
 WAIT_POLICY_ENVS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 POLICY_ENV = "VLLM_CPU_OMP_WAIT_POLICY"
 
-# What "auto" sets. Nothing yet: with one core taken by another process the engine's
-# contention governor (vllm/utils/cpu_threads.py) drops to fewer threads, and then no thread
-# waits at a barrier for a descheduled partner, whatever the policy; idle, a sleeping (PASSIVE)
-# thread pays a wake-up at each of the ~100 parallel regions of a decode step. On a loaded
-# 2-core dev machine the variants did not separate from the noise; benchmarks/
-# bench_busy_core.py measures libgomp's default against PASSIVE and GOMP_SPINCOUNT=10000, idle
-# and with a busy core, and this is the place to change if one wins.
-DEFAULT_OMP_ENV: dict[str, str] = {}
+# What "auto" sets: PASSIVE (a thread that finds no work sleeps at once). libgomp's default
+# spins up to 300k iterations at every barrier first; with a core taken by another process the
+# thread spinning for its descheduled partner burns the time slices that partner needs, at
+# each of the ~100 parallel regions of a decode step. Measured on the shared 2-core dev machine
+# (benchmarks/bench_busy_core.py, demo model, -O0, batch 1, 2 threads, the contention governor
+# off, one process each, the machine loaded by other jobs too): with a busy core 643 ms per
+# token at libgomp's default, 111 ms with GOMP_SPINCOUNT=10000, 4-30 ms with PASSIVE; without
+# the busy core (the other jobs only) 128-202 / 77 / 18-28 ms. Its cost on a quiet machine (a
+# wake-up per region instead of a spin) is the `after` against `after_gomp_default` rows of
+# that benchmark: if it loses there, this is the place to change.
+DEFAULT_OMP_ENV: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def omp_env_defaults(env=None) -> dict[str, str]:
@@ -58,9 +61,27 @@ def apply_omp_env_defaults(env=None, modules=None) -> dict[str, str]:
     except ValueError:
         return {}
     env.update(extra)
+    if env is os.environ:
+        _applied.update(extra)
     return extra
+
+
+_applied: dict[str, str] = {}
 
 
 def check_omp_env(env=None) -> None:
     """Raise the ValueError for a bad VLLM_CPU_OMP_WAIT_POLICY (the engine's start-up)."""
     omp_env_defaults(env)
+
+
+def describe_wait_policy(env=None) -> str:
+    """The policy in force, for the start-up log (`env` holds what libgomp read if torch was
+    imported after vllm)."""
+    env = os.environ if env is None else env
+    if _applied:
+        return ", ".join(f"{k}={v}" for k, v in _applied.items()) + " (set on import vllm)"
+    theirs = [f"{k}={env[k]}" for k in WAIT_POLICY_ENVS if env.get(k, "").strip()]
+    if theirs:
+        return ", ".join(theirs)
+    return ("libgomp's default (torch was imported before vllm, or VLLM_CPU_OMP_WAIT_POLICY="
+            "default; OMP_WAIT_POLICY=PASSIVE in the environment sets it)")
