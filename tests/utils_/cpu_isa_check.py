@@ -99,6 +99,9 @@ def main() -> None:
         "sampling": [loaded_isa_level("sampling"), torch.ops.vllm_cpu_sampling.isa()],
     }
     report["bf16_dot"] = torch.ops.vllm_cpu_linear.has_bf16_dot()
+    from vllm.config import VllmConfig
+
+    report["summary_line"] = VllmConfig().summary_line()  # the engine's start-up line
     print(json.dumps(report))
 
 

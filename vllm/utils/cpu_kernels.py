@@ -14,8 +14,8 @@ avx512_bf16: + AVX512-BF16), never -march=native, so an AVX-512 machine builds, 
 measures the AVX2 code too. The level is the best the CPU has, or a lower one forced with
 VLLM_CPU_ISA=avx2|avx512|avx512_bf16 (a level the CPU lacks is a ValueError). Two builds of
 one library register the same op namespace, so a process loads all its kernels at one level:
-the first load fixes it (`kernels_isa_level()`), and is logged once. A CPU below AVX2 (or not
-x86) builds with -march=native (level "native").
+the first call fixes it (`kernels_isa_level()`; the engine's start-up line names it). A CPU
+below AVX2 (or not x86) builds with -march=native (level "native").
 
 The hash covers the source, the compiler flags, the torch version and the CPU's flags (the
 code is tuned with -mtune=native), so a changed source or another machine never loads a stale
@@ -95,10 +95,6 @@ def load_cpu_extension(name: str, source_path: str, env_switch: str,
                 ok = level is not None and _build_and_load(name, source_path, source_text, level)
                 if ok:
                     _loaded_isa[name] = level
-                    if len(_loaded_isa) == 1:
-                        logger.info("CPU kernels built for the instruction set %s%s", level,
-                                    " (VLLM_CPU_ISA)" if os.environ.get("VLLM_CPU_ISA", "").strip()
-                                    else "")
                 _loaded[name] = ok
     return _loaded[name]
 
@@ -141,10 +137,10 @@ def _build_and_load(name: str, source_path: str, source_text: str | None, level:
 
         start = time.perf_counter()
         # Tens of seconds on a busy machine (the first start on it): say so while it lasts.
-        with waiting(logger, f"Building the CPU kernel {name} ({level})",
-                     announce=f"Building the CPU kernel {name} for {level} (once per machine: "
-                     "up to a minute or two on a busy one) ...",
-                     done=f"Built the CPU kernel {name} ({level}) into {directory}"):
+        with waiting(logger, f"Building the CPU kernel {name}",
+                     announce=f"Building the CPU kernel {name} (once per machine and ISA level, "
+                     f"here {level}: up to a minute or two on a busy one) ...",
+                     done=f"Built the CPU kernel {name} into {directory}"):
             load(name=ext_name, sources=[path], extra_cflags=cflags,
                  extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
                  verbose=False)
