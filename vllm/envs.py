@@ -47,9 +47,9 @@ _GETTERS = {
     # Attention backend by name (default: the platform's choice).
     "VLLM_ATTENTION_BACKEND": lambda: os.environ.get("VLLM_ATTENTION_BACKEND") or None,
     "VLLM_API_KEY": lambda: os.environ.get("VLLM_API_KEY") or None,
-    # The servers' engine: 1 = scheduler and model in an engine-core process of their own
-    # (vllm.engine.core), 0 = an engine thread in the API process.
-    "VLLM_ENABLE_MULTIPROCESSING": lambda: _flag("VLLM_ENABLE_MULTIPROCESSING", "0"),
+    # The servers' engine: 1 (default) = scheduler and model in an engine-core process of
+    # their own (vllm.engine.core), 0 = an engine thread in the API process.
+    "VLLM_ENABLE_MULTIPROCESSING": lambda: _flag("VLLM_ENABLE_MULTIPROCESSING", "1"),
     # Seconds the server's tokenizer thread may spend on one request's tokenizing and chat
     # template rendering before it is interrupted and the request refused.
     "VLLM_TOKENIZE_TIMEOUT_S": lambda: float(os.environ.get("VLLM_TOKENIZE_TIMEOUT_S") or 10.0),
@@ -58,6 +58,13 @@ _GETTERS = {
     # Tests: a Dynamo recompile of a compiled model (a guard of its first trace failed) is an
     # error instead of a warning.
     "VLLM_TEST_FAIL_ON_RECOMPILE": lambda: _flag("VLLM_TEST_FAIL_ON_RECOMPILE"),
+    # Pipeline parallelism: layers per stage, e.g. "4,4" (models/pipeline.py checks it), and
+    # micro-batches per step (default: one per stage; 1 = the whole batch stage by stage).
+    "VLLM_PP_LAYER_PARTITION": lambda: os.environ.get("VLLM_PP_LAYER_PARTITION", "").strip(),
+    "VLLM_PP_MICRO_BATCHES": lambda: os.environ.get("VLLM_PP_MICRO_BATCHES", "").strip(),
+    # Ray executor: seconds the placement group may wait for its bundles.
+    "VLLM_RAY_PLACEMENT_TIMEOUT_S": lambda: float(
+        os.environ.get("VLLM_RAY_PLACEMENT_TIMEOUT_S") or 120.0),
 }
 
 

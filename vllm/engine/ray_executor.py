@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from vllm.engine.errors import EngineFatalError
@@ -40,9 +41,6 @@ if TYPE_CHECKING:
     from vllm.engine.sched_output import ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
-
-PLACEMENT_TIMEOUT_S = float(os.environ.get("VLLM_RAY_PLACEMENT_TIMEOUT_S", "120"))
-"""How long the placement group may wait for its bundles before start-up fails."""
 
 _ENV_PREFIXES = ("VLLM_", "HF_", "TRANSFORMERS_", "TORCHINDUCTOR_", "TORCH_", "HUGGING")
 """Environment variables the actors get from this process (Ray workers do not inherit it)."""
@@ -121,6 +119,7 @@ class RayExecutor(UniProcExecutor):
         self._actors: list[Any] = []
         self._nodes: list[str] = []
         self._watch = _RayWatch(self)
+        self._tag = uuid.uuid4().hex[:8]
         self.worker = None
         try:
             self._connect()
@@ -163,11 +162,14 @@ class RayExecutor(UniProcExecutor):
                 "lower the parallel sizes.")
         strategy = "STRICT_PACK" if max(per_node, default=0) >= self.world else "PACK"
         self._pg = placement_group([{key: 1.0}] * self.world, strategy=strategy)
-        ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        from vllm import envs
+
+        timeout = envs.VLLM_RAY_PLACEMENT_TIMEOUT_S
+        ready, _ = ray.wait([self._pg.ready()], timeout=timeout)
         if not ready:
             raise RuntimeError(
                 f"the Ray placement group of {self.world} {key} bundles ({strategy}) was not "
-                f"placed within {PLACEMENT_TIMEOUT_S:.0f} s (VLLM_RAY_PLACEMENT_TIMEOUT_S); free "
+                f"placed within {timeout:.0f} s (VLLM_RAY_PLACEMENT_TIMEOUT_S); free "
                 f"{key}s per node: {per_node}. Other jobs may hold them.")
         logger.info("Ray placement group: %d %s bundles (%s)", self.world, key, strategy)
 
@@ -189,13 +191,17 @@ class RayExecutor(UniProcExecutor):
                     else {"num_cpus": 1})
         actor_cls = ray.remote(max_concurrency=2, **resource)(RayWorker)
         env = actor_env()
-        for bundle in bundles:
+        threads = self._cpu_threads(bundle_nodes)
+        for rank, bundle in enumerate(bundles):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=bundle,
                 placement_group_capture_child_tasks=True)
+            env_vars = dict(env)
+            if threads and "OMP_NUM_THREADS" not in os.environ:
+                env_vars["OMP_NUM_THREADS"] = str(threads[bundle_nodes.get(bundle, "")])
             self._actors.append(actor_cls.options(
-                scheduling_strategy=strategy,
-                runtime_env={"env_vars": env}).remote(self.vllm_config))
+                scheduling_strategy=strategy, name=f"vllm-{self._tag}-rank{rank}",
+                runtime_env={"env_vars": env_vars}).remote(self.vllm_config))
         infos = self._get_all([a.node_info.remote() for a in self._actors], "start-up")
         self._nodes = [f"{ip} ({node_id[:8]})" for node_id, ip, _ in infos]
         _, ip0, port0 = infos[0]
@@ -206,6 +212,19 @@ class RayExecutor(UniProcExecutor):
         self._watch_refs = [a.watch.remote() for a in self._actors]
         logger.info("Ray workers: %s", ", ".join(f"rank {r} on {n}"
                                                  for r, n in enumerate(self._nodes)))
+
+    def _cpu_threads(self, bundle_nodes: dict) -> dict[str, int]:
+        """CPU platform: intra-op threads per rank on each node, its CPUs shared by the ranks
+        placed there (Ray would give each 1-CPU actor OMP_NUM_THREADS=1). {} on CUDA."""
+        if self._resource() != "CPU":
+            return {}
+        cpus = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in self._ray.nodes()
+                if n.get("Alive")}
+        ranks: dict[str, int] = {}
+        for node in bundle_nodes.values():
+            ranks[node] = ranks.get(node, 0) + 1
+        return {node: max(1, cpus.get(node, 1) // count) for node, count in ranks.items()} | \
+            {"": 1}
 
     def _kv_info(self) -> tuple[int, str]:
         return self._ray.get(self._actors[0].kv_info.remote())

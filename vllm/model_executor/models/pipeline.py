@@ -18,7 +18,6 @@ compiled stack, so each stage compiles its own graph.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,9 @@ def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 
 def pp_partition(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     """Every stage's [start, end) of the layers."""
-    text = os.environ.get(PP_PARTITION_ENV, "").strip()
+    from vllm import envs
+
+    text = envs.VLLM_PP_LAYER_PARTITION
     if text:
         try:
             counts = [int(part) for part in text.split(",")]
@@ -171,7 +172,9 @@ def wait_pp_sends() -> None:
 def num_micro_batches(pp_size: int, num_reqs: int) -> int:
     """How many micro-batches a step's batch is cut into: VLLM_PP_MICRO_BATCHES if set (1 =
     the whole batch at once, stage by stage), else one per stage; never more than requests."""
-    text = os.environ.get("VLLM_PP_MICRO_BATCHES", "").strip()
+    from vllm import envs
+
+    text = envs.VLLM_PP_MICRO_BATCHES
     if text:
         try:
             wanted = int(text)
