@@ -74,27 +74,27 @@ def _latency_rank(rank: int, world: int, init: str, args: dict, queue) -> None:
                     x = torch.randn(tokens, hidden).to(dtype)
                     residual = torch.randn(tokens, hidden).to(dtype)
 
-                    def gloo():
+                    def gloo(x, residual, weight):
                         y = x.clone()
                         dist.all_reduce(y, group=tp.group)
 
-                    def shm():
+                    def shm(x, residual, weight):
                         torch.ops.vllm.all_reduce(x, name)
 
-                    def shm_norm():
+                    def shm_norm(x, residual, weight):
                         ref_rms_norm(torch.ops.vllm.all_reduce(x, name), weight, 1e-6, residual)
 
-                    def fused():
+                    def fused(x, residual, weight):
                         torch.ops.vllm.fused_all_reduce_rms_norm(x, residual, weight, 1e-6,
                                                                  name)
 
                     for method, fn in zip(METHODS, (gloo, shm, shm_norm, fused)):
                         for _ in range(3):
-                            fn()
+                            fn(x, residual, weight)
                         dist.barrier(group=tp.group)
                         start = time.perf_counter()
                         for _ in range(args["iters"]):
-                            fn()
+                            fn(x, residual, weight)
                         per_call = (time.perf_counter() - start) / args["iters"] * 1e6
                         key = f"{dtype_name}|{hidden}|{tokens}|{method}"
                         results.setdefault(key, []).append(per_call)

@@ -112,10 +112,6 @@ _COMMS: dict[str, ShmAllReduce] = {}
 _GROUPS: dict[str, Any] = {}
 
 
-def get_shm_communicator(group_name: str) -> ShmAllReduce | None:
-    return _COMMS.get(group_name)
-
-
 def init_shm_all_reduce(group: Any, rank: int, world_size: int, src_rank: int,
                         max_bytes: int | None = None) -> ShmAllReduce | None:
     """Collective over `group` (every rank calls it): attach this rank to a new shared-memory
