@@ -107,3 +107,30 @@ def test_more_ranks_than_cpus_is_a_clear_error(cluster, llama_path):
             pipeline_parallel_size=2, distributed_executor_backend="ray",
             max_model_len=128, kv_cache_memory="16MiB")
     assert time.monotonic() - start < 60
+
+
+def test_unplaceable_group_times_out_with_a_clear_error(cluster, llama_path, monkeypatch):
+    """The cluster has the CPUs but another job holds them: the placement group waits
+    VLLM_RAY_PLACEMENT_TIMEOUT_S, then start-up fails naming it, and removes its group."""
+    from ray.util.placement_group import (
+        placement_group,
+        placement_group_table,
+        remove_placement_group,
+    )
+
+    from vllm import LLM
+
+    holder = placement_group([{"CPU": 1.0}] * 3, strategy="PACK")
+    ray.get(holder.ready(), timeout=60)
+    monkeypatch.setenv("VLLM_RAY_PLACEMENT_TIMEOUT_S", "3")
+    before = set(placement_group_table())
+    try:
+        with pytest.raises(RuntimeError, match=r"placement group of 2 CPU bundles .* was not "
+                                               r"placed within 3 s"):
+            LLM(model=llama_path, optimization_level=0, tensor_parallel_size=2,
+                distributed_executor_backend="ray", max_model_len=128,
+                kv_cache_memory="16MiB")
+        ours = [pg for pg_id, pg in placement_group_table().items() if pg_id not in before]
+        assert ours and all(pg["state"] == "REMOVED" for pg in ours)
+    finally:
+        remove_placement_group(holder)
