@@ -257,7 +257,8 @@ class RayExecutor(UniProcExecutor):
         deadline = None
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1,
+            # All at once (one wait per step), but back within a second to look for deaths.
+            ready, pending = ray.wait(pending, num_returns=len(pending),
                                       timeout=1.0 if timeout is None else min(timeout, 1.0))
             if self._watch.error is not None:
                 raise self._watch.error
