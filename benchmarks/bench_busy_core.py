@@ -58,9 +58,9 @@ CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THRE
 def child(args: argparse.Namespace) -> None:
     """One engine process: print one JSON line with the timings."""
     t_start = time.perf_counter()
+    # vllm first: its import sets the OpenMP wait policy, which libgomp reads when torch loads.
+    from vllm import LLM, SamplingParams  # noqa: I001
     import torch
-
-    from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model_path, optimization_level=args.O, max_model_len=512, seed=0)
     load_s = time.perf_counter() - t_start
@@ -85,6 +85,7 @@ def child(args: argparse.Namespace) -> None:
         "per_token_all_ms": [x * 1e3 for x in per_token],
         "first_request_s": first_s, "load_s": load_s,
         "threads_end": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "cpu_s": time.process_time(), "wall_s": time.perf_counter() - t_start,
     }), flush=True)
 
