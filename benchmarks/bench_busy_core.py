@@ -202,7 +202,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--hog-cpu", type=int, default=None,
                    help="the CPU the busy process takes (default: the last one we may use)")
-    p.add_argument("--checkpoints", default=os.path.join(HERE, ".checkpoints"))
+    p.add_argument("--ckpt-root", default=os.path.join(HERE, "results", "tmp"),
+                   help="where random-weight checkpoints are written (git-ignored)")
     p.add_argument("--out", default="busy_core")
     args = p.parse_args()
     if args.child:
@@ -223,7 +224,7 @@ def main() -> None:
             sys.path.insert(0, HERE)
             from checkpoints import write_checkpoint
 
-            paths[m] = write_checkpoint(m, args.checkpoints)
+            paths[m] = write_checkpoint(m, args.ckpt_root)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     md = os.path.join(HERE, "results", f"{args.out}.md")
     js = os.path.join(HERE, "results", f"{args.out}.json")
