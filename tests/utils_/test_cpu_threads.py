@@ -508,3 +508,10 @@ def test_bind_and_restore(monkeypatch):
         assert ct.apply_thread_plan(ct.ThreadPlan(2, "no bind", False, (0, 1))) is None
     finally:
         torch.set_num_threads(saved)
+
+
+def test_shape_memory_is_bounded():
+    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    for n in range(3 * det.MAX_SHAPES):
+        det.observe(n * 0.01, 0.01, (n, 1))
+    assert len(det._best) <= det.MAX_SHAPES

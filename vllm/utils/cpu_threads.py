@@ -458,8 +458,12 @@ class ContentionDetector:
     def __post_init__(self) -> None:
         self.threads = self.threads or self.full_threads
 
+    MAX_SHAPES = 512  # a server sees many batch shapes: forget them all past this many
+
     def _ratio(self, shape, step_s: float) -> float:
         key = (shape, self.threads)
+        if key not in self._best and len(self._best) >= self.MAX_SHAPES:
+            self._best.clear()
         recent = self._best.setdefault(key, deque(maxlen=64))
         best = min(recent) if recent else None
         recent.append(step_s)
