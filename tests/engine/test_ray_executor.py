@@ -134,3 +134,34 @@ def test_unplaceable_group_times_out_with_a_clear_error(cluster, llama_path, mon
         assert ours and all(pg["state"] == "REMOVED" for pg in ours)
     finally:
         remove_placement_group(holder)
+
+
+def test_server_exits_1_when_a_ray_worker_dies(cluster, llama_path, tmp_path):
+    """`vllm serve -tp 2 --distributed-executor-backend ray` on the cluster (RAY_ADDRESS): a
+    killed rank-1 actor makes the server exit 1, its log naming the rank and node."""
+    import os
+    import re
+    import signal
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "entrypoints"))
+    from server_utils import RemoteServer
+
+    server = RemoteServer("vllm.entrypoints.cli.main",
+                          ["serve", llama_path, "-O0", "--tensor-parallel-size", "2",
+                           "--distributed-executor-backend", "ray", "--max-model-len", "128",
+                           "--kv-cache-memory", "16MiB"],
+                          env={"RAY_ADDRESS": cluster.address}, log_dir=str(tmp_path))
+    try:
+        found = re.search(r"rank 1 on (\S+ \(\w+\)) \(pid (\d+)\)", server.log())
+        assert found, server.log()
+        node, pid = found.group(1), int(found.group(2))
+        with open(f"/proc/{pid}/cmdline", "rb") as f:  # our cluster's actor, nothing else
+            assert b"RayWorker" in f.read()
+        os.kill(pid, signal.SIGKILL)
+        returncode = server.proc.wait(timeout=90)
+        log = server.log()
+        assert returncode == 1, log
+        assert f"Ray worker rank 1 on node {node} died" in log, log
+    finally:
+        server.stop()

@@ -63,8 +63,8 @@ class RayWorker:
         self.worker = None
         self._stop = threading.Event()
 
-    def node_info(self) -> tuple[str, str, int]:
-        """(node id, node IP, a free port on this node)."""
+    def node_info(self) -> tuple[str, str, int, int]:
+        """(node id, node IP, a free port on this node, this actor's pid)."""
         import socket
 
         import ray
@@ -72,7 +72,8 @@ class RayWorker:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port,
+                os.getpid())
 
     def init_worker(self, rank: int, local_rank: int, init_method: str) -> None:
         from vllm.engine.worker import Worker
@@ -203,15 +204,17 @@ class RayExecutor(UniProcExecutor):
                 scheduling_strategy=strategy, name=f"vllm-{self._tag}-rank{rank}",
                 runtime_env={"env_vars": env_vars}).remote(self.vllm_config))
         infos = self._get_all([a.node_info.remote() for a in self._actors], "start-up")
-        self._nodes = [f"{ip} ({node_id[:8]})" for node_id, ip, _ in infos]
-        _, ip0, port0 = infos[0]
+        self._nodes = [f"{ip} ({node_id[:8]})" for node_id, ip, _, _ in infos]
+        self._pids = [pid for _, _, _, pid in infos]
+        _, ip0, port0, _ = infos[0]
         init_method = f"tcp://{ip0}:{port0}"
         # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES: its device is cuda:0.
         self._get_all([a.init_worker.remote(rank, 0, init_method)
                        for rank, a in enumerate(self._actors)], "start-up")
         self._watch_refs = [a.watch.remote() for a in self._actors]
-        logger.info("Ray workers: %s", ", ".join(f"rank {r} on {n}"
-                                                 for r, n in enumerate(self._nodes)))
+        logger.info("Ray workers: %s", ", ".join(
+            f"rank {r} on {n} (pid {p})" for r, (n, p) in enumerate(zip(self._nodes,
+                                                                         self._pids))))
 
     def _cpu_threads(self, bundle_nodes: dict) -> dict[str, int]:
         """CPU platform: intra-op threads per rank on each node, its CPUs shared by the ranks
