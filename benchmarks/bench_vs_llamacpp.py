@@ -47,6 +47,8 @@ LABELS = {"hf": "transformers eager", "llamacpp": "llama.cpp", "O0": "ours -O0",
 SHAPE_LABELS = {"llama-50m": "50M Llama (hidden 512, 8 layers, vocab 32000)",
                 "qwen2.5-0.5b": "Qwen2.5-0.5B shape"}
 CHECK_TOKENS = 8  # leading greedy tokens compared across engines
+GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama.h's enum llama_flash_attn_type
 
 
 def prompt_ids(batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -64,6 +66,9 @@ def run_hf(args) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(args.path, dtype=getattr(torch, args.dtype))
     model.eval()
+    # EOS neither ends nor is suppressed (min_new_tokens would mask it): plain greedy, as
+    # ignore_eos and llama.cpp's loop give
+    model.generation_config.eos_token_id = None
     vocab = model.config.vocab_size
 
     class FirstToken:
@@ -87,12 +92,11 @@ def run_hf(args) -> dict:
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 streamer=streamer)
+                                 do_sample=False, pad_token_id=0, streamer=streamer)
         end = time.perf_counter()
         assert out.shape == (batch, length + n), out.shape
         return {"start": start, "first": streamer.first, "end": end,
-                "tokens": out[0, length:].tolist()}
+                "tokens": out[0, length:].tolist(), "tokens_last": out[-1, length:].tolist()}
 
     return measure(args, timed)
 
@@ -138,7 +142,8 @@ def run_ours(args) -> dict:
         assert len(done) == batch and all(len(o.outputs[0].token_ids) == n
                                           for o in done.values())
         return {"start": start, "first": first, "end": end,
-                "tokens": list(done[ids[0]].outputs[0].token_ids)}
+                "tokens": list(done[ids[0]].outputs[0].token_ids),
+                "tokens_last": list(done[ids[-1]].outputs[0].token_ids)}
 
     return measure(args, timed)
 
@@ -165,6 +170,8 @@ def run_llamacpp(args) -> dict:
             cparams.n_ubatch = min(cparams.n_batch, 512)
             cparams.n_seq_max = n_seq
             cparams.n_threads = cparams.n_threads_batch = args.threads
+            cparams.type_k = cparams.type_v = GGML_TYPES[args.llamacpp_kv]
+            cparams.flash_attn_type = FLASH_ATTN[args.llamacpp_flash_attn]
             cparams.no_perf = True
             ctx = lc.llama_init_from_model(model, cparams)
             if not ctx:
@@ -195,8 +202,9 @@ def run_llamacpp(args) -> dict:
         start = time.perf_counter()
         decode(ctx, batch, [(t, j, s, j == length - 1) for s, p in enumerate(prompts)
                 for j, t in enumerate(p)])
-        # the outputs are numbered in batch order: sequence s's is the s-th
-        last = [lc.llama_sampler_sample(sampler, ctx, s) for s in range(nseq)]
+        # sampled by batch index: sequence s's last prompt token is entry s * length + length - 1
+        last = [lc.llama_sampler_sample(sampler, ctx, s * length + length - 1)
+                for s in range(nseq)]
         first = time.perf_counter()
         out = [[t] for t in last]
         for step in range(1, n):
@@ -205,7 +213,8 @@ def run_llamacpp(args) -> dict:
             for s in range(nseq):
                 out[s].append(last[s])
         end = time.perf_counter()
-        return {"start": start, "first": first, "end": end, "tokens": out[0]}
+        return {"start": start, "first": first, "end": end, "tokens": out[0],
+                "tokens_last": out[-1]}
 
     result = measure(args, timed)
     if args.logits_out:  # the last prompt position's logits, for the round-trip test
@@ -216,7 +225,6 @@ def run_llamacpp(args) -> dict:
         logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(vocab,))
         np.save(args.logits_out, logits.copy())
     result["system_info"] = lc.llama_print_system_info().decode(errors="replace")
-    result["flash_attn_type"] = int(lc.llama_context_default_params().flash_attn_type)
     result["llama_cpp_python"] = getattr(lc, "__version__", "?")
     lc.llama_sampler_free(sampler)
     for ctx, batch, _ in contexts.values():
@@ -236,7 +244,8 @@ def measure(args, timed) -> dict:
         timed(args.batch16, args.b16_prompt_len, 2)
         run = timed(args.batch16, args.b16_prompt_len, args.b16_max_tokens)
         result["b16"] = {"total_tok_s": args.batch16 * args.b16_max_tokens
-                         / (run["end"] - run["start"]), "total_s": run["end"] - run["start"]}
+                         / (run["end"] - run["start"]), "total_s": run["end"] - run["start"],
+                         "tokens": run["tokens"], "tokens_last": run["tokens_last"]}
     return result
 
 
@@ -369,7 +378,8 @@ def spawn(args, engine: str, case: dict | None = None, dtype: str = "float32",
            str(args.threads), "--dtype", dtype, "--prompt-len", str(args.prompt_len),
            "--max-tokens", str(args.max_tokens), "--batch16", str(16 if batch16 else 0),
            "--b16-prompt-len", str(args.b16_prompt_len), "--b16-max-tokens",
-           str(args.b16_max_tokens)]
+           str(args.b16_max_tokens), "--llamacpp-kv", args.llamacpp_kv,
+           "--llamacpp-flash-attn", args.llamacpp_flash_attn]
     if case:
         cmd += ["--path", case["path"], "--gguf", case["gguf"]]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(args.threads)}
@@ -433,7 +443,9 @@ def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: d
                                                               ref[:CHECK_TOKENS])
                                              for e, t in first.items() if t}})
     return {"machine": machine, "bandwidth_gb_s": {"median": bw, "rounds": bandwidths},
-            "llama_cpp": llama_info, "threads": args.threads, "rounds": args.rounds,
+            "llama_cpp": {**llama_info, "kv_cache_type": args.llamacpp_kv,
+                          "flash_attn": args.llamacpp_flash_attn},
+            "threads": args.threads, "rounds": args.rounds,
             "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "batch16": {"prompt_len": args.b16_prompt_len, "max_tokens": args.b16_max_tokens,
                         "shapes": args.batch16_shapes},
@@ -456,8 +468,9 @@ def markdown(summary: dict) -> str:
         f"{', '.join(fmt(b) for b in bw['rounds'])}; a 1.5 GiB float32 sum, "
         f"{summary['threads']} threads, best of 5).",
         f"llama.cpp: llama-cpp-python {summary['llama_cpp'].get('version', '?')}, "
-        f"flash_attn_type {summary['llama_cpp'].get('flash_attn_type', '?')} (llama.cpp's "
-        f"default), built for: {summary['llama_cpp'].get('system_info', '?').strip()}",
+        f"flash attention {summary['llama_cpp'].get('flash_attn', '?')}, KV cache "
+        f"{summary['llama_cpp'].get('kv_cache_type', '?')} (llama.cpp's defaults: auto, f16), "
+        f"built for: {summary['llama_cpp'].get('system_info', '?').strip()}",
         "",
         f"{summary['threads']} threads for every engine; random-weight checkpoints; fresh "
         f"process per engine and case; {summary['rounds']} interleaved rounds, medians. "
@@ -535,6 +548,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--b16-prompt-len", type=int, default=128)
     parser.add_argument("--b16-max-tokens", type=int, default=128)
+    parser.add_argument("--llamacpp-kv", default="f16", choices=sorted(GGML_TYPES),
+                        help="llama.cpp's KV-cache type (default f16, llama.cpp's own default)")
+    parser.add_argument("--llamacpp-flash-attn", default="auto", choices=sorted(FLASH_ATTN),
+                        help="llama.cpp's flash attention (default auto, llama.cpp's own "
+                             "default; it computes in float16 on the CPU)")
     parser.add_argument("--worker-timeout", type=float, default=3600)
     parser.add_argument("--ckpt-root", default=os.path.join(HERE, "results", "tmp"))
     parser.add_argument("--out", default=None,
@@ -589,8 +607,7 @@ def main() -> None:
                 runs[(shape, dtype, engine)].append(res)
                 if engine == "llamacpp" and "error" not in res:
                     llama_info = {"version": res.get("llama_cpp_python"),
-                                  "system_info": res.get("system_info"),
-                                  "flash_attn_type": res.get("flash_attn_type")}
+                                  "system_info": res.get("system_info")}
                 brief = res.get("error", "").strip().splitlines()[-1:] or [
                     f"b1 {res['b1']['decode_tok_s']:.2f} tok/s"
                     + (f", b16 {res['b16']['total_tok_s']:.1f} tok/s" if "b16" in res else "")]

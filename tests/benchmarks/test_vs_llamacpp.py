@@ -28,25 +28,28 @@ import bench_vs_llamacpp as bench  # noqa: E402
 PROMPT_LEN, NEW_TOKENS = 32, 4
 
 
-def hf_reference(path: str, dtype: torch.dtype) -> tuple[np.ndarray, list[int]]:
-    """transformers' logits at the last prompt position and its greedy tokens."""
+def hf_reference(path: str, dtype: torch.dtype) -> tuple[np.ndarray, list[list[int]]]:
+    """transformers' logits at the last position of the first prompt and its greedy tokens
+    for each of the 16 prompts."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    ids = torch.tensor(bench.prompt_ids(1, PROMPT_LEN, model.config.vocab_size))
+    model.generation_config.eos_token_id = None  # plain greedy: EOS neither ends nor is masked
+    ids = torch.tensor(bench.prompt_ids(16, PROMPT_LEN, model.config.vocab_size))
     with torch.inference_mode():
-        logits = model(ids).logits[0, -1].float().numpy()
+        logits = model(ids[:1]).logits[0, -1].float().numpy()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             pad_token_id=0)
-    return logits, out[0, PROMPT_LEN:].tolist()
+                             max_new_tokens=NEW_TOKENS, pad_token_id=0)
+    return logits, out[:, PROMPT_LEN:].tolist()
 
 
-def run_llamacpp_worker(path: str, gguf_path: str, logits_out: str) -> dict:
+def run_llamacpp_worker(path: str, gguf_path: str, logits_out: str, kv: str) -> dict:
     cmd = [sys.executable, SCRIPT, "--worker", "llamacpp", "--path", path, "--gguf", gguf_path,
            "--threads", "1", "--prompt-len", str(PROMPT_LEN), "--max-tokens", str(NEW_TOKENS),
-           "--batch16", "16", "--b16-prompt-len", "8", "--b16-max-tokens", "3",
-           "--logits-out", logits_out]
+           "--batch16", "16", "--b16-prompt-len", str(PROMPT_LEN), "--b16-max-tokens",
+           str(NEW_TOKENS),
+           "--logits-out", logits_out, "--llamacpp-kv", kv,
+           "--llamacpp-flash-attn", "off"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith(bench._RESULT)][-1]
@@ -65,14 +68,20 @@ def test_gguf_round_trip_matches_transformers(tmp_path, make, dtype):
     if dtype == "bfloat16":
         path = bench.write_bf16_copy(path, str(tmp_path / "ckpt-bf16"))
     gguf_path = convert(path, str(tmp_path / "m.gguf"), dtype)
-    result = run_llamacpp_worker(path, gguf_path, str(tmp_path / "logits.npy"))
+    # the KV cache in the model's dtype and no flash attention (llama.cpp's defaults, float16
+    # KV and flash attention on the CPU, round to float16): the same math
+    kv = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    result = run_llamacpp_worker(path, gguf_path, str(tmp_path / "logits.npy"), kv)
     logits = np.load(tmp_path / "logits.npy")
     ref_logits, ref_tokens = hf_reference(path, getattr(torch, dtype))
     assert logits.shape == ref_logits.shape
     if dtype == "float32":  # same weights, same math: float32 rounding only
         np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-4 * np.abs(
             ref_logits).max() + 1e-5)
-        assert result["b1"]["tokens"] == ref_tokens
+        # batch 1 and each of the 16 sequences of one llama_batch: transformers' tokens
+        assert result["b1"]["tokens"] == ref_tokens[0]
+        assert result["b16"]["tokens"] == ref_tokens[0]
+        assert result["b16"]["tokens_last"] == ref_tokens[-1] != ref_tokens[0]
     else:  # bfloat16 activations differ in rounding between the engines
         err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
         assert err < 0.05, err
@@ -112,7 +121,8 @@ def test_convert_rejects_unsupported_architectures(tmp_path):
 
 
 def test_report_has_ratios_bandwidth_share_and_failures():
-    args = SimpleNamespace(engines=list(bench.ENGINES), batch16_shapes=["llama-50m"],
+    args = SimpleNamespace(engines=list(bench.ENGINES), batch16_shapes=["llama-50m"], llamacpp_kv="f16",
+                           llamacpp_flash_attn="auto",
                            threads=2, rounds=3, prompt_len=32, max_tokens=128,
                            b16_prompt_len=128, b16_max_tokens=128)
     cases = {("llama-50m", "float32"): {"weight_bytes": 100_000_000}}
@@ -129,7 +139,7 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     machine = {"cpu": "test cpu", "isa": "AVX2 + FMA", "flags": ["avx2", "fma"],
                "logical_cpus": 2}
     summary = bench.summarize(args, cases, runs, [20.0, 10.0, 30.0], machine,
-                              {"version": "0", "system_info": "AVX2 = 1", "flash_attn_type": -1})
+                              {"version": "0", "system_info": "AVX2 = 1"})
     b1, b16 = summary["rows"]
     assert b1["engines"]["llamacpp"]["tok_s"] == 90  # the median of the rounds
     assert b1["engines"]["O2"]["vs_llamacpp"] == pytest.approx(0.5)
