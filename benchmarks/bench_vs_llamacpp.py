@@ -44,6 +44,8 @@ _RESULT = "VS_LLAMACPP_RESULT "
 ENGINES = ("hf", "llamacpp", "O0", "O2", "O3")
 LABELS = {"hf": "transformers eager", "llamacpp": "llama.cpp", "O0": "ours -O0",
           "O2": "ours -O2", "O3": "ours -O3"}
+EXACT = "llamacpp_exact"  # llama.cpp with a float32 KV cache and no flash attention
+LABELS[EXACT] = "llama.cpp, f32 KV, no flash attn"
 SHAPE_LABELS = {"llama-50m": "50M Llama (hidden 512, 8 layers, vocab 32000)",
                 "qwen2.5-0.5b": "Qwen2.5-0.5B shape"}
 CHECK_TOKENS = 8  # leading greedy tokens compared across engines
@@ -373,7 +375,7 @@ def weight_bytes(path: str, dtype: str) -> int:
 
 
 def spawn(args, engine: str, case: dict | None = None, dtype: str = "float32",
-          batch16: bool = False) -> dict:
+          batch16: bool = False, extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--threads",
            str(args.threads), "--dtype", dtype, "--prompt-len", str(args.prompt_len),
            "--max-tokens", str(args.max_tokens), "--batch16", str(16 if batch16 else 0),
@@ -382,6 +384,7 @@ def spawn(args, engine: str, case: dict | None = None, dtype: str = "float32",
            "--llamacpp-flash-attn", args.llamacpp_flash_attn]
     if case:
         cmd += ["--path", case["path"], "--gguf", case["gguf"]]
+    cmd += list(extra)  # overrides (argparse keeps the last value)
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(args.threads)}
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -408,7 +411,7 @@ def leading_match(a: list[int], b: list[int]) -> int:
 
 
 def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: dict,
-              llama_info: dict) -> dict:
+              llama_info: dict, exact: dict | None = None) -> dict:
     bw = median(bandwidths)
     rows, checks = [], []
     for (shape, dtype), case in cases.items():
@@ -434,6 +437,8 @@ def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: d
         # greedy agreement: each engine's leading tokens against transformers' (first round)
         first = {e: next((r["b1"]["tokens"] for r in runs[(shape, dtype, e)]
                           if "error" not in r), None) for e in args.engines}
+        if (exact or {}).get((shape, dtype)):
+            first[EXACT] = exact[(shape, dtype)]
         ref_engine = "hf" if first.get("hf") else "llamacpp"
         ref = first.get(ref_engine)
         if ref:
@@ -509,15 +514,18 @@ def markdown(summary: dict) -> str:
                          f"{ent['weight_read_gb_s']:.2f} ({fmt(ent['pct_of_bandwidth'], '.0f')}%)")
         lines.append(f"| {SHAPE_LABELS.get(r['shape'], r['shape'])} | {r['dtype']} | "
                      f"{r['weight_bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
+    checked = engines + ([EXACT] if any(EXACT in c["leading_match"]
+                                        for c in summary["greedy_check"]) else [])
     lines += ["", f"Greedy check: how many of the first {CHECK_TOKENS} batch-1 tokens of each "
-              "engine equal the reference engine's (random weights give small logit margins, "
-              "so bfloat16 may part early; float32 should agree):", "",
-              "| model | dtype | reference | " + " | ".join(LABELS[e] for e in engines) + " |",
-              "|---|---|---|" + "---|" * len(engines)]
+              "engine equal the reference engine's (random weights give small logit margins: "
+              "bfloat16, and llama.cpp's float16 KV cache and flash attention, may part early; "
+              "float32 at the same math should agree):", "",
+              "| model | dtype | reference | " + " | ".join(LABELS[e] for e in checked) + " |",
+              "|---|---|---|" + "---|" * len(checked)]
     for c in summary["greedy_check"]:
         lines.append(f"| {SHAPE_LABELS.get(c['shape'], c['shape'])} | {c['dtype']} | "
                      f"{LABELS[c['reference']]} | "
-                     + " | ".join(str(c["leading_match"].get(e, "n/a")) for e in engines)
+                     + " | ".join(str(c["leading_match"].get(e, "n/a")) for e in checked)
                      + " |")
     errors = []  # each failed process once (it shows in its batch-1 and batch-16 rows)
     for r in summary["rows"]:
@@ -593,6 +601,16 @@ def main() -> None:
         for dtype in args.dtypes:
             cases[(shape, dtype)] = prepare(shape, dtype, args.ckpt_root)
             print(f"prepared {shape} {dtype}: {cases[(shape, dtype)]['gguf']}", flush=True)
+    exact: dict = {}
+    if "llamacpp" in args.engines:  # the conversion's sanity check: same weights, same math
+        for (shape, dtype), case in cases.items():
+            if dtype == "float32":
+                res = spawn(args, "llamacpp", case, dtype, extra=(
+                    "--llamacpp-kv", "f32", "--llamacpp-flash-attn", "off",
+                    "--max-tokens", str(CHECK_TOKENS)))
+                exact[(shape, dtype)] = res["b1"]["tokens"] if "b1" in res else None
+                print(f"llama.cpp at float32 KV, no flash attention, {shape}: "
+                      f"{exact[(shape, dtype)] or res.get('error')}", flush=True)
     runs = {(s, d, e): [] for (s, d) in cases for e in args.engines}
     bandwidths: list[float] = []
     llama_info: dict = {}
@@ -616,7 +634,7 @@ def main() -> None:
     bw = spawn(args, "bandwidth")
     if "error" not in bw:
         bandwidths.append(bw["read_gb_s"])
-    summary = summarize(args, cases, runs, bandwidths, isa_info(), llama_info)
+    summary = summarize(args, cases, runs, bandwidths, isa_info(), llama_info, exact)
     summary["wall_s"] = time.time() - began
     summary["runs"] = {f"{s}/{d}/{e}": v for (s, d, e), v in runs.items()}
     with open(out + ".json", "w") as f:

@@ -139,7 +139,8 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     machine = {"cpu": "test cpu", "isa": "AVX2 + FMA", "flags": ["avx2", "fma"],
                "logical_cpus": 2}
     summary = bench.summarize(args, cases, runs, [20.0, 10.0, 30.0], machine,
-                              {"version": "0", "system_info": "AVX2 = 1"})
+                              {"version": "0", "system_info": "AVX2 = 1"},
+                              {("llama-50m", "float32"): [1, 2, 9]})
     b1, b16 = summary["rows"]
     assert b1["engines"]["llamacpp"]["tok_s"] == 90  # the median of the rounds
     assert b1["engines"]["O2"]["vs_llamacpp"] == pytest.approx(0.5)
@@ -151,3 +152,8 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     assert "ISA AVX2 + FMA" in text and "read bandwidth 20.0 GB/s" in text
     assert "| 0.50x |" in text and "| 2.00x |" in text
     assert "9.00 (45%)" in text and text.count("ours -O2: exit 1: boom") == 1
+    # greedy check: the leading tokens equal to transformers' [1, 2, 3], per engine
+    check = summary["greedy_check"][0]
+    assert check["leading_match"] == {"hf": 3, "llamacpp": 3, "O0": 3, "O2": 3, "O3": 3,
+                                      bench.EXACT: 2}
+    assert "| transformers eager | 3 | 3 | 3 | 3 | 3 | 2 |" in text
