@@ -117,8 +117,8 @@ def run_level(args: argparse.Namespace, level: int, log_dir: str, mode: str | No
     port = free_port()
     tag = f"{mode}-" if mode else ""
     log_path = os.path.join(log_dir, f"serve_{tag}O{level}_r{round_index}.log")
-    print(f"{tag}-O{level} (round {round_index + 1}): starting the server (log: {log_path})",
-          flush=True)
+    print(f"{mode or 'default'} engine, -O{level} (round {round_index + 1}): starting the "
+          f"server (log: {log_path})", flush=True)
     proc, startup_s = start_server(args.model, level, port, args.serve_arg, log_path,
                                    args.startup_timeout, args.compile_cache == "on", mode)
     try:

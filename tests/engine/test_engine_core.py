@@ -95,7 +95,8 @@ def test_core_output_processor_collects_ids_and_forgets_finished_requests():
 
 
 # ---- a real engine-core process (demo model) ----------------------------------------------
-ARGS = dict(model="demo", optimization_level=0, max_model_len=256, kv_cache_memory="32MiB")
+ARGS = {"model": "demo", "optimization_level": 0, "max_model_len": 256,
+        "kv_cache_memory": "32MiB"}
 
 
 def _run(coro):
@@ -235,3 +236,18 @@ def test_a_core_start_failure_is_raised_in_the_api_process():
     with pytest.raises(ValueError, match="max_model_len"):
         AsyncLLM.from_engine_args(EngineArgs(model="demo", optimization_level=0,
                                              max_model_len=10**9), multiprocessing=True)
+
+
+def test_servers_default_to_the_core_process_and_the_switch_turns_it_off(monkeypatch):
+    from vllm.engine.async_llm import multiprocessing_requested
+
+    monkeypatch.delenv("VLLM_ENABLE_MULTIPROCESSING", raising=False)
+    assert multiprocessing_requested() is True  # the servers' default
+    assert multiprocessing_requested(default=False) is False  # AsyncLLM's own default
+    monkeypatch.setenv("VLLM_ENABLE_MULTIPROCESSING", "0")
+    assert multiprocessing_requested() is False
+    monkeypatch.setenv("VLLM_ENABLE_MULTIPROCESSING", "1")
+    assert multiprocessing_requested(default=False) is True
+    monkeypatch.setenv("VLLM_ENABLE_MULTIPROCESSING", "sometimes")
+    with pytest.raises(ValueError, match="VLLM_ENABLE_MULTIPROCESSING"):
+        multiprocessing_requested()

@@ -24,12 +24,12 @@ Contract for callers:
     every stream fails with `EngineDeadError`, `errored` turns True (`dead_error` says why)
     and new requests are refused.
 
-Where the engine runs: `from_engine_args` builds an `LLMEngine` in the engine thread, or, with
-VLLM_ENABLE_MULTIPROCESSING=1, an `EngineCoreClient` (vllm/engine/core_client.py): the
-scheduler and the model then run in an engine-core process of their own and the engine thread
-here only detokenizes their outputs, so HTTP and SSE work no longer shares the interpreter
-lock with the model's steps. The contract above is the same either way; the core process
-dying is the engine dying (EngineDeadError).
+Where the engine runs: `from_engine_args` builds an `LLMEngine` in the engine thread, or (the
+servers' default; VLLM_ENABLE_MULTIPROCESSING=0 turns it off) an `EngineCoreClient`
+(vllm/engine/core_client.py): the scheduler and the model then run in an engine-core process
+of their own and the engine thread here only detokenizes their outputs, so HTTP and SSE work
+no longer shares the interpreter lock with the model's steps. The contract above is the same
+either way; the core process dying is the engine dying (EngineDeadError).
 """
 from __future__ import annotations
 
@@ -215,17 +215,16 @@ class AsyncLLM:
                          **kwargs: Any) -> AsyncLLM:
         """Build the engine (loads the model: slow) and start its loop.
 
-        `multiprocessing` (default: VLLM_ENABLE_MULTIPROCESSING): the scheduler and the model
-        run in an engine-core process (`vllm.engine.core`) and the engine thread here drives
-        an `EngineCoreClient`, which detokenizes; otherwise an `LLMEngine` is built in the
-        engine thread and runs there. (Built in the engine thread, not the caller's: a
-        second thread's OpenMP team alive next to the engine thread's made the engine's
-        parallel regions ~2.3x slower on the 2-core dev machine, a small linear + relu: 36 ->
-        84 us.)"""
+        `multiprocessing`: the scheduler and the model run in an engine-core process
+        (`vllm.engine.core`) and the engine thread here drives an `EngineCoreClient`, which
+        detokenizes; otherwise an `LLMEngine` is built in the engine thread and runs there.
+        None: VLLM_ENABLE_MULTIPROCESSING where it is set, else in-process (the servers pass
+        the variable's value, whose default is the core process). (Built in the engine
+        thread, not the caller's: a second thread's OpenMP team alive next to the engine
+        thread's made the engine's parallel regions ~2.3x slower on the 2-core dev machine, a
+        small linear + relu: 36 -> 84 us.)"""
         if multiprocessing is None:
-            from vllm import envs
-
-            multiprocessing = envs.VLLM_ENABLE_MULTIPROCESSING
+            multiprocessing = multiprocessing_requested(default=False)
         if multiprocessing:
             from vllm.engine.core_client import EngineCoreClient
 
@@ -633,6 +632,18 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - metrics must never kill the loop
             logger.debug("engine.stats() raised", exc_info=True)
             return dict(self._stats) if hasattr(self, "_stats") else {}
+
+
+def multiprocessing_requested(default: bool = True) -> bool:
+    """VLLM_ENABLE_MULTIPROCESSING where the environment sets it, else `default` (the servers
+    take the variable's own default: the engine-core process)."""
+    import os
+
+    from vllm import envs
+
+    if os.environ.get("VLLM_ENABLE_MULTIPROCESSING", "").strip():
+        return envs.VLLM_ENABLE_MULTIPROCESSING
+    return default
 
 
 def _set_exception(future: concurrent.futures.Future, exc: BaseException) -> None:

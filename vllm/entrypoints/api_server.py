@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import Request
 
-from vllm.engine.async_llm import AsyncLLM, EngineError
+from vllm.engine.async_llm import AsyncLLM, EngineError, multiprocessing_requested
 from vllm.entrypoints.openai.protocol import OpenAIError
 from vllm.logger import init_logger
 from vllm.utils import random_uuid
@@ -218,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args),
+                                           multiprocessing=multiprocessing_requested())
     except ValueError as exc:
         sock.close()
         parser.error(str(exc))

@@ -28,7 +28,7 @@ from typing import Any
 
 from fastapi import Request
 
-from vllm.engine.async_llm import AsyncLLM
+from vllm.engine.async_llm import AsyncLLM, multiprocessing_requested
 from vllm.entrypoints.openai.frontend_options import FrontendOptions
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm.entrypoints.openai.protocol import (
@@ -346,6 +346,7 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(served)
     try:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args),
+                                           multiprocessing=multiprocessing_requested(),
                                            stat_observer=metrics)
     except BaseException:
         sock.close()
