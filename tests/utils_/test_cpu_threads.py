@@ -135,7 +135,7 @@ def test_plan_capped_by_cgroup_quota(quota, threads):
 def test_plan_shared_across_tp_ranks():
     assert [plan(world=2, rank=r).num_threads for r in (0, 1)] == [2, 2]
     assert plan(world=8, rank=7).num_threads == 1
-    assert "shared by 2 tensor-parallel ranks" in plan(world=2).reason
+    assert "shared by 2 ranks" in plan(world=2).reason
 
 
 def test_plan_smt_counts_cores():

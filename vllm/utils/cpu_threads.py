@@ -289,7 +289,8 @@ def plan_threads(world_size: int = 1, rank: int = 0, *, env=None,
     defaults = {default_threads, _cores(cpus, topology), _last_set_by_us}
     if current_threads not in defaults:
         return ThreadPlan(current_threads, f"torch.set_num_threads({current_threads}) made "
-                          "before the engine started (yours)", True, tuple(cpus))
+                          "before the engine started, or MKL_NUM_THREADS (yours)", True,
+                          tuple(cpus))
 
     limit, limit_src = cgroup_limit if cgroup_limit is not None else cgroup_cpu_limit()
     usable = _cores(cpus, topology)
@@ -316,7 +317,7 @@ def plan_threads(world_size: int = 1, rank: int = 0, *, env=None,
                               False, tuple(share), tuple(share))
     threads = max(1, usable // world_size)
     if world_size > 1:
-        why += f", shared by {world_size} tensor-parallel ranks"
+        why += f", shared by {world_size} ranks (tensor/pipeline parallel)"
     return ThreadPlan(threads, why, False, tuple(cpus), None)
 
 
