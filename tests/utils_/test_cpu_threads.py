@@ -330,6 +330,15 @@ def test_governor_applies_and_warns_once(tmp_path, monkeypatch):
             write()
             gov.step(0.1, (1, 1))
         assert torch.get_num_threads() == 2 and len(warned) == 1
+        # A second engine in the same process meets the same busy CPU: no second warning.
+        gov2 = ct.ThreadGovernor(ct.ThreadPlan(2, "r", False, (0, 1)),
+                                 clock=lambda: clock["t"], stat_path=str(stat))
+        for _ in range(12):
+            clock["t"] += 0.1
+            busy["ticks"] += int(0.1 * hz)
+            write()
+            gov2.step(0.1, (1, 1))
+        assert torch.get_num_threads() == 1 and len(warned) == 1
     finally:
         torch.set_num_threads(saved)
 

@@ -612,8 +612,8 @@ class ThreadGovernor:
     def _apply(self, decision: Decision | None) -> None:
         if decision is None:
             return
-        if decision.warn and decision.warn not in _logged:
-            _logged.add(decision.warn)
+        if decision.warn and "contention" not in _logged:  # once per process
+            _logged.add("contention")
             logger.warning(decision.warn)
         if decision.info:
             logger.info(decision.info)
