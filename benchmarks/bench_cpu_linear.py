@@ -13,7 +13,12 @@ sum), then times our step and F.linear's. Reported per level and row count:
 - ms: the fastest round; GB/s: the weights' bytes over it;
 - of bandwidth: the median over rounds of (weights' bytes / our time) / that round's sum
   bandwidth (the paired read rate: 1.0 = the kernel reads as fast as a plain sum);
-- vs F.linear and vs <first level>: medians over rounds of paired time ratios (>1 = faster).
+- vs F.linear and vs <first level>: medians over rounds of paired time ratios (>1 = faster);
+  "per bandwidth": the same with each time scaled by its own process's sum bandwidth of that
+  round (worker processes can differ in memory speed, e.g. page placement).
+An A/A run (`--compare-source` given a copy of the current file: two workers, same library)
+shows the noise floor: on the loaded 2-core dev machine identical workers differed by up to
+1.4x at one thread, so only larger differences mean anything there.
 
     python benchmarks/bench_cpu_linear.py --shape qwen2.5-0.5b --rows 1 2 4 16
     python benchmarks/bench_cpu_linear.py --isa avx2 avx512_bf16 --dtype bfloat16 --rounds 3
@@ -165,13 +170,23 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[dict], float]:
                                                       for b, x in zip(base, rs)),
                     "vs_source": (statistics.median(t["ours"] / x["ours"]
                                                     for t, x in zip(twin, rs)) if twin else None),
+                    # the same ratios with each time scaled by its own process's sum bandwidth
+                    # (processes can differ in memory speed: page placement)
+                    "vs_first_isa_per_bw": statistics.median(
+                        b["ours"] * b["bandwidth"] / (x["ours"] * x["bandwidth"])
+                        for b, x in zip(base, rs)),
+                    "vs_source_per_bw": (statistics.median(
+                        t["ours"] * t["bandwidth"] / (x["ours"] * x["bandwidth"])
+                        for t, x in zip(twin, rs)) if twin else None),
                 })
                 r = results[-1]
                 print(f"{dtype} {w.label:12s} {rows:3d} rows: {r['ours_ms']:.1f} ms "
                       f"({r['ours_gbs']:.0f} GB/s, {r['of_bandwidth']:.0%} of the sum's "
                       f"{r['sum_bandwidth_gbs']:.0f} GB/s), x{r['vs_f_linear']:.2f} F.linear, "
-                      f"x{r['vs_first_isa']:.2f} {workers[0].label}"
-                      + (f", x{r['vs_source']:.2f} vs source" if twin else ""), flush=True)
+                      f"x{r['vs_first_isa']:.2f} {workers[0].label} "
+                      f"(x{r['vs_first_isa_per_bw']:.2f} per bandwidth)"
+                      + (f", x{r['vs_source']:.2f} vs source (x{r['vs_source_per_bw']:.2f} per "
+                         "bandwidth)" if twin else ""), flush=True)
         return results, nbytes
     finally:
         for w in workers:
@@ -233,13 +248,16 @@ def main() -> None:
              f"rounds of paired times (>1: ours / this level faster).", "",
              f"| dtype | ISA | rows | ours (ms) | ours (GB/s) | of bandwidth | "
              f"sum bandwidth (GB/s) | F.linear (ms) | vs F.linear | vs {args.isa[0]} | "
-             "vs source |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"vs {args.isa[0]} per bandwidth | vs source | vs source per bandwidth |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        vs_source = f"x{r['vs_source']:.2f}" if r["vs_source"] else ""
+        vs_source = (f"x{r['vs_source']:.2f} | x{r['vs_source_per_bw']:.2f}"
+                     if r["vs_source"] else " | ")
         lines.append(f"| {r['dtype']} | {r['isa']} | {r['rows']} | {r['ours_ms']:.1f} | "
                      f"{r['ours_gbs']:.0f} | {r['of_bandwidth']:.0%} | "
                      f"{r['sum_bandwidth_gbs']:.0f} | {r['f_linear_ms']:.1f} | "
-                     f"x{r['vs_f_linear']:.2f} | x{r['vs_first_isa']:.2f} | {vs_source} |")
+                     f"x{r['vs_f_linear']:.2f} | x{r['vs_first_isa']:.2f} | "
+                     f"x{r['vs_first_isa_per_bw']:.2f} | {vs_source} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {args.out}.md and .json")

@@ -21,8 +21,10 @@ Other products (bfloat16 with more rows, other dtypes, other devices) keep `F.li
 does traced code (torch.compile: Inductor lowers `F.linear` itself). The choice is made in C++
 (`vllm_cpu_linear::linear`, csrc/cpu_small_m_linear.cpp: choosing in Python cost ~5 us a call),
 which also serves compiled models as an opaque op (`cpu_linear_op`) and computes with weights
-prepacked for oneDNN (cpu_prepacked_linear.py). The kernels are built at first use
-(vllm/utils/cpu_kernels.py); when the build fails the same routes are taken in Python.
+prepacked for oneDNN (cpu_prepacked_linear.py). The kernels are built at first use for the
+process's ISA level (vllm/utils/cpu_kernels.py: avx2, avx512 or avx512_bf16, VLLM_CPU_ISA to
+force a lower one; `torch.ops.vllm_cpu_linear.isa()` says which), with vectors and tiles sized
+for that level's registers; when the build fails the same routes are taken in Python.
 VLLM_CPU_ONEDNN_LINEAR=0 / VLLM_CPU_SMALL_M_LINEAR=0 turn the two routes off.
 """
 from __future__ import annotations
