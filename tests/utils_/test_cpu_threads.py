@@ -1,6 +1,6 @@
-"""CPU intra-op threads (vllm/utils/cpu_threads.py, vllm/utils/omp_env.py): the thread choice
-under a given affinity set and cgroup quota, the user's settings winning, the bind-list
-format, and the contention detector's decisions on synthetic step times."""
+"""CPU intra-op threads (vllm/utils/cpu_threads.py, cpu_contention.py, omp_env.py): the
+thread choice under a given affinity set and cgroup quota, the user's settings winning, the
+bind-list format, and the contention detector's decisions on synthetic step times."""
 from __future__ import annotations
 
 import types
@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from vllm.utils import cpu_contention as cc
 from vllm.utils import cpu_threads as ct
 from vllm.utils import omp_env
 
@@ -234,7 +235,7 @@ def run(det, windows, busy, step_s=0.1, shape=(1, 1), t0=0.0):
 
 
 def test_busy_core_drops_threads_and_comes_back():
-    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    det = cc.ContentionDetector(full_threads=2, num_cpus=2)
     idle, t = run(det, 3, 0.05)
     assert idle == []  # idle: nothing
     first, t = run(det, 1, 1.0, t0=t)
@@ -255,15 +256,15 @@ def test_busy_core_drops_threads_and_comes_back():
 
 
 def test_partial_busy_on_many_cpus():
-    det = ct.ContentionDetector(full_threads=8, num_cpus=8)
+    det = cc.ContentionDetector(full_threads=8, num_cpus=8)
     ds, _ = run(det, 2, 3.2)
     assert [d.threads for d in ds] == [5]  # 8 - 3.2 CPUs, rounded
-    det = ct.ContentionDetector(full_threads=4, num_cpus=8)
+    det = cc.ContentionDetector(full_threads=4, num_cpus=8)
     assert run(det, 4, 3.0)[0] == []  # 4 threads fit in the 5 CPUs left
 
 
 def test_user_setting_is_never_changed_but_warned_once():
-    det = ct.ContentionDetector(full_threads=2, num_cpus=2, adjust=False)
+    det = cc.ContentionDetector(full_threads=2, num_cpus=2, adjust=False)
     ds, t = run(det, 2, 1.0)
     assert len(ds) == 1 and ds[0].threads is None and det.threads == 2
     assert "Your thread setting is kept" in ds[0].warn and "OMP_NUM_THREADS=1" in ds[0].warn
@@ -271,7 +272,7 @@ def test_user_setting_is_never_changed_but_warned_once():
 
 
 def test_unknown_cpu_use_falls_back_to_step_slowdown():
-    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    det = cc.ContentionDetector(full_threads=2, num_cpus=2)
     _, t = run(det, 2, None, step_s=0.01)  # the best at this shape: 10 ms
     assert run(det, 1, None, step_s=0.02, t0=t)[0] == []  # 2x: not enough
     ds, _ = run(det, 2, None, step_s=0.2, t0=t)
@@ -280,14 +281,14 @@ def test_unknown_cpu_use_falls_back_to_step_slowdown():
 
 
 def test_slowdown_is_per_shape():
-    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    det = cc.ContentionDetector(full_threads=2, num_cpus=2)
     _, t = run(det, 2, None, step_s=0.01, shape=(1, 1))
     # A bigger batch is slower, but it is its own shape: no contention.
     assert run(det, 4, None, step_s=0.2, shape=(16, 16), t0=t)[0] == []
 
 
 def test_short_windows_wait_for_enough_steps():
-    det = ct.ContentionDetector(full_threads=2, num_cpus=2, window_s=0.25, min_steps=2)
+    det = cc.ContentionDetector(full_threads=2, num_cpus=2, window_s=0.25, min_steps=2)
     assert det.observe(1.0, 1.0, (1, 1), lambda: 1.0) is None  # 1 step, even if long
     calls = []
     det.observe(1.5, 0.5, (1, 1), lambda: calls.append(1) or 1.0)
@@ -302,7 +303,7 @@ def test_governor_applies_and_warns_once(tmp_path, monkeypatch):
     stat = tmp_path / "stat"
     clock = {"t": 0.0}
     busy = {"ticks": 0}
-    hz = ct.os.sysconf("SC_CLK_TCK")
+    hz = cc.os.sysconf("SC_CLK_TCK")
 
     def write():
         stat.write_text(f"cpu  0 0 0 0\ncpu0 {busy['ticks']} 0 0 1000 0 0 0 0 0 0\n"
@@ -310,14 +311,14 @@ def test_governor_applies_and_warns_once(tmp_path, monkeypatch):
 
     write()
     warned = []
-    monkeypatch.setattr(ct, "logger", types.SimpleNamespace(warning=warned.append,
+    monkeypatch.setattr(cc, "logger", types.SimpleNamespace(warning=warned.append,
                                                             info=lambda m: None))
-    monkeypatch.setattr(ct, "_logged", set())
-    monkeypatch.setattr(ct.time, "process_time", lambda: 0.0)  # our own CPU use: none
+    monkeypatch.setattr(cc, "_logged", set())
+    monkeypatch.setattr(cc.time, "process_time", lambda: 0.0)  # our own CPU use: none
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        gov = ct.ThreadGovernor(ct.ThreadPlan(2, "r", False, (0, 1)), clock=lambda: clock["t"],
+        gov = cc.ThreadGovernor(ct.ThreadPlan(2, "r", False, (0, 1)), clock=lambda: clock["t"],
                                 stat_path=str(stat))
         for _ in range(12):  # another process keeps CPU 0 fully busy
             clock["t"] += 0.1
@@ -331,7 +332,7 @@ def test_governor_applies_and_warns_once(tmp_path, monkeypatch):
             gov.step(0.1, (1, 1))
         assert torch.get_num_threads() == 2 and len(warned) == 1
         # A second engine in the same process meets the same busy CPU: no second warning.
-        gov2 = ct.ThreadGovernor(ct.ThreadPlan(2, "r", False, (0, 1)),
+        gov2 = cc.ThreadGovernor(ct.ThreadPlan(2, "r", False, (0, 1)),
                                  clock=lambda: clock["t"], stat_path=str(stat))
         for _ in range(12):
             clock["t"] += 0.1
@@ -345,17 +346,17 @@ def test_governor_applies_and_warns_once(tmp_path, monkeypatch):
 
 def test_governor_leaves_explicit_threads(tmp_path):
     plan_ = ct.ThreadPlan(2, "OMP_NUM_THREADS=2 (yours)", True, (0, 1))
-    assert ct.ThreadGovernor(plan_, stat_path=str(tmp_path / "x")).detector.adjust is False
+    assert cc.ThreadGovernor(plan_, stat_path=str(tmp_path / "x")).detector.adjust is False
 
 
 def test_proc_stat_busy(tmp_path):
     stat = tmp_path / "stat"
     stat.write_text("cpu  9 9 9 9\ncpu0 10 1 5 100 7 1 1 2 0 0\ncpu1 3 0 0 50 0 0 0 0 0 0\n")
-    hz = ct.os.sysconf("SC_CLK_TCK")
-    assert ct._proc_stat_busy([0], str(stat)) == pytest.approx(20 / hz)  # idle, iowait out
-    assert ct._proc_stat_busy([0, 1], str(stat)) == pytest.approx(23 / hz)
-    assert ct._proc_stat_busy([5], str(stat)) is None
-    assert ct._proc_stat_busy([0], str(tmp_path / "none")) is None
+    hz = cc.os.sysconf("SC_CLK_TCK")
+    assert cc._proc_stat_busy([0], str(stat)) == pytest.approx(20 / hz)  # idle, iowait out
+    assert cc._proc_stat_busy([0, 1], str(stat)) == pytest.approx(23 / hz)
+    assert cc._proc_stat_busy([5], str(stat)) is None
+    assert cc._proc_stat_busy([0], str(tmp_path / "none")) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -475,14 +476,14 @@ def test_import_vllm_sets_policy_before_torch(tmp_path):
 
 
 def test_busy_since_start_acts_at_the_first_window():
-    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    det = cc.ContentionDetector(full_threads=2, num_cpus=2)
     det.start(0.0)
     d = det.end_window(3.0, lambda: 1.0)  # the start-up (3 s) with CPU 1 taken throughout
     assert d.threads == 1 and d.warn
 
 
 def test_between_thresholds_keeps_the_current_count():
-    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    det = cc.ContentionDetector(full_threads=2, num_cpus=2)
     det.start(0.0)
     assert det.end_window(1.0, 1.0).threads == 1
     for t in range(2, 10):  # 0.4 CPUs: neither contention nor calm
@@ -492,7 +493,7 @@ def test_between_thresholds_keeps_the_current_count():
 
 
 def test_one_thread_has_nothing_to_give_back():
-    det = ct.ContentionDetector(full_threads=1, num_cpus=2, adjust=False)
+    det = cc.ContentionDetector(full_threads=1, num_cpus=2, adjust=False)
     assert run(det, 6, 1.9)[0] == []  # OMP_NUM_THREADS=1 under load: no advice to set it
     _, t = run(det, 2, None, step_s=0.01)
     assert run(det, 4, None, step_s=0.5, t0=t)[0] == []
@@ -520,7 +521,7 @@ def test_bind_and_restore(monkeypatch):
 
 
 def test_shape_memory_is_bounded():
-    det = ct.ContentionDetector(full_threads=2, num_cpus=2)
+    det = cc.ContentionDetector(full_threads=2, num_cpus=2)
     for n in range(3 * det.MAX_SHAPES):
         det.observe(n * 0.01, 0.01, (n, 1))
     assert len(det._best) <= det.MAX_SHAPES

@@ -136,6 +136,7 @@ class Worker:
         fewer threads while another process is busy on them (vllm/utils/cpu_threads.py)."""
         from vllm import envs
         from vllm.utils import cpu_threads
+        from vllm.utils.cpu_contention import ThreadGovernor
         from vllm.utils.omp_env import check_omp_env
 
         check_omp_env()
@@ -143,8 +144,7 @@ class Worker:
         plan = cpu_threads.plan_threads(world, self.rank)
         self._saved_num_threads = torch.get_num_threads()
         self._saved_affinity = cpu_threads.apply_thread_plan(plan, self.rank)
-        self._thread_governor = cpu_threads.ThreadGovernor(
-            plan, adjust=envs.VLLM_CPU_ADAPTIVE_THREADS)
+        self._thread_governor = ThreadGovernor(plan, adjust=envs.VLLM_CPU_ADAPTIVE_THREADS)
 
     def load_model(self, load_format: str = "auto") -> None:
         self.model_runner.load_model(load_format)
