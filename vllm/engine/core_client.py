@@ -60,6 +60,13 @@ __all__ = ["EngineCoreClient"]
 _DIED = object()  # in the inbox: the core is gone
 
 
+def _import_tokenizer_modules() -> None:
+    try:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+    except Exception:  # noqa: BLE001 - only a warm-up: the real load reports any problem
+        logger.debug("tokenizer imports failed", exc_info=True)
+
+
 class EngineCoreClient(InputProcessor):
     """Starts the engine core for `engine_args` and waits until its model is ready (raises
     what the core's start raised). See the module docstring."""
@@ -96,6 +103,10 @@ class EngineCoreClient(InputProcessor):
                   os.getpid()))
         try:
             self.process.start()
+            # The tokenizer is loaded here once the core is ready; its imports (seconds) can
+            # run while the core loads the model.
+            threading.Thread(target=_import_tokenizer_modules, daemon=True,
+                             name="vllm-tokenizer-imports").start()
             ready = self._wait_until_ready()
             self.startup_seconds = ready.startup_seconds
             self.startup_phases = dict(ready.startup_phases)
