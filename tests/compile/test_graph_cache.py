@@ -191,19 +191,26 @@ def test_second_instance_loads_the_graph_instead_of_tracing(monkeypatch, tmp_pat
 @pytest.mark.slow
 def test_a_warm_start_builds_a_piece_graph_only_to_compile_a_new_size(monkeypatch, tmp_path):
     """The pieces' graphs are pickled apart and unpickled (FX re-traces them) only when one
-    is compiled again: here the compile size 4, which the cold instance never met."""
+    is compiled again: not to load the compile size 4 the cold instance compiled at its first
+    forward; here, once that entry is gone from the cache."""
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
     with torch.no_grad():
-        check(build(), 5)  # the token range only
-        warm = build()
-        with compilation_counter.expect(num_graphs_loaded=1, num_graphs_seen=0):
-            check(warm, 5)
-        pieces = warm._vllm_compile_state.vllm_backend.piece_backends
-        assert len(pieces) == 3 and all(p._gm is None for p in pieces)
-        with compilation_counter.expect(num_graphs_seen=0, num_inductor_compiles=3):
-            check(warm, 4)
-        assert all(p._gm is not None for p in pieces)
+        with compilation_counter.expect(num_inductor_compiles=6):
+            check(build(), 5)  # the token range and the size 4, each of the 3 pieces
+        for run in ("load", "compile"):
+            warm = build()
+            with compilation_counter.expect(num_graphs_loaded=1, num_graphs_seen=0):
+                check(warm, 5)
+            pieces = warm._vllm_compile_state.vllm_backend.piece_backends
+            assert len(pieces) == 3 and all(p._gm is None for p in pieces)
+            compiles = 3 if run == "compile" else 0
+            with compilation_counter.expect(num_graphs_seen=0, num_inductor_compiles=compiles):
+                check(warm, 4)
+            assert all((p._gm is not None) == (run == "compile") for p in pieces)
+            for entry in tmp_path.rglob("*size_4*"):  # the next start misses size 4
+                if entry.is_file():
+                    entry.unlink()
 
 
 # ---- after the first trace: the runner serves the calls, not Dynamo ---------------------------

@@ -246,17 +246,21 @@ class VllmBackend:
         """The compile-cache key of one piece compile (`digest`: `graph_digest(gm)`)."""
         return graph_hash(gm, example_inputs, digest) + "|" + str(compile_range)
 
-    def compile_piece(self, gm: fx.GraphModule | None, example_inputs: list[Any],
-                      piece_index: int, compile_range: Range, digest: str | None = None,
-                      key: str | None = None) -> Callable:
+    def compile_piece(self, gm: fx.GraphModule | Callable[[], fx.GraphModule] | None,
+                      example_inputs: list[Any], piece_index: int, compile_range: Range,
+                      digest: str | None = None, key: str | None = None) -> Callable:
         """One piece compiled for one range or size, or loaded from the compile cache.
         `gm` None (with its `key`): a piece restored with the traced graph, whose graph is
-        not at hand: loaded only (raises GraphCacheMiss when the cache does not have it)."""
+        not at hand: loaded only (raises GraphCacheMiss when the cache does not have it).
+        `gm` a function (with `digest`): what gives the graph, called only to compile it."""
         compilation_counter.num_backend_compilations += 1
         tag = compile_range.tag
         dump_dir = self.dumper.piece_dir(piece_index, tag)
         if key is None:
-            key = self.piece_key(gm, example_inputs, compile_range, digest)
+            graph = gm if isinstance(gm, fx.GraphModule) else None
+            if graph is None and digest is None:
+                raise ValueError("compile_piece: a piece without its graph needs its digest")
+            key = self.piece_key(graph, example_inputs, compile_range, digest)
         # Pieces with the same code and input shapes (the middle decoder layers: the weights
         # are inputs) share one compiled callable: compiled or loaded once.
         shareable = self._shareable(dump_dir)
@@ -296,12 +300,14 @@ class VllmBackend:
         return (f"piece {place} (graph piece {piece_index}, {tokens}) with "
                 f"{self.compiler.name}")
 
-    def _compile_or_load(self, gm: fx.GraphModule | None, example_inputs: list[Any],
+    def _compile_or_load(self, gm: fx.GraphModule | Callable[[], fx.GraphModule] | None,
+                         example_inputs: list[Any],
                          piece_index: int, compile_range: Range, key: str,
                          dump_dir: str | None) -> Callable:
         """The one path of a piece compile: from the compile cache when it has the piece,
         else compiled (and saved). Without a cache (or with frozen pieces) always compiled.
-        A missing piece whose graph is not at hand (`gm` None) raises GraphCacheMiss."""
+        A missing piece whose graph is not at hand (`gm` None) raises GraphCacheMiss; a
+        function `gm` is called for the graph only when it is compiled."""
         tag = compile_range.tag
         what = self.piece_label(piece_index, compile_range)
         cache = None if self.frozen else self.cache
@@ -330,6 +336,8 @@ class VllmBackend:
                 info["cache"] = "frozen" if self.cache is not None else "off"
             else:
                 info["cache"] = "miss"
+            if not isinstance(gm, fx.GraphModule):
+                gm = gm()
             runnable = self._run_compiler(gm, example_inputs, piece_index, compile_range,
                                           dump_dir, what)
             if cache is not None:

@@ -173,7 +173,7 @@ class PiecewiseBackend:
 
     @property
     def gm(self) -> fx.GraphModule:
-        """The piece's graph (compiled again for a compile size met at run time). A restored
+        """The piece's graph (compiled for a compile size the compile cache lacks). A restored
         piece builds it on first use: FX re-traces a graph it unpickles (~5 ms a piece)."""
         if self._gm is None:
             assert self._load_gm is not None
@@ -210,8 +210,11 @@ class PiecewiseBackend:
             runnable = self.size_runnables.get(num_tokens)
             if runnable is None:
                 start = time.perf_counter()
+                # A restored piece builds its graph only if the size must be compiled (not
+                # when the compile cache has it).
+                graph = self._gm if self._gm is not None else (lambda: self.gm)
                 runnable = self.vllm_backend.compile_piece(
-                    self.gm, list(args), self.piece_index, Range(num_tokens, num_tokens),
+                    graph, list(args), self.piece_index, Range(num_tokens, num_tokens),
                     self.digest)
                 self.size_runnables[num_tokens] = runnable
                 logger.debug("piece %d: static compile for %d tokens took %.2f s",
