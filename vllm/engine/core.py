@@ -353,6 +353,12 @@ def run_engine_core(engine_args: Any, command_addr: str, reply_addr: str,
         commands.close(linger=0)
         replies.close()
         ctx.term()
+        try:  # what the interpreter's exit would release (e.g. tqdm's multiprocessing lock)
+            from multiprocessing import util
+
+            util._run_finalizers()
+        except Exception:  # noqa: BLE001
+            pass
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # (a thread the engine left behind must not keep the process alive)
