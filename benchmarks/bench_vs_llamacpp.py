@@ -265,9 +265,10 @@ def run_bandwidth(args) -> dict:
 
 
 def worker(args) -> None:
-    import torch
+    if args.worker != "llamacpp":  # llama.cpp's process loads no torch (nor its OpenMP pool)
+        import torch
 
-    torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     run = {"hf": run_hf, "llamacpp": run_llamacpp, "bandwidth": run_bandwidth}.get(
         args.worker, run_ours)
