@@ -431,7 +431,7 @@ def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: d
                     entry["pct_of_bandwidth"] = 100 * entry["weight_read_gb_s"] / bw if bw else None
                 row["engines"][engine] = entry
             ref = row["engines"].get("llamacpp", {}).get("tok_s")
-            for engine, entry in row["engines"].items():
+            for entry in row["engines"].values():
                 entry["vs_llamacpp"] = (entry["tok_s"] / ref if ref and entry["tok_s"]
                                         else None)
             rows.append(row)

@@ -56,7 +56,12 @@ def run_llamacpp_worker(path: str, gguf_path: str, logits_out: str, kv: str) -> 
     return json.loads(line[len(bench._RESULT):])
 
 
-@pytest.mark.parametrize("make", [make_llama, make_qwen2], ids=["llama", "qwen2"])
+def make_qwen2_tied(path):
+    return make_qwen2(path, tie_word_embeddings=True)  # as Qwen2.5-0.5B: no output.weight
+
+
+@pytest.mark.parametrize("make", [make_llama, make_qwen2, make_qwen2_tied],
+                         ids=["llama", "qwen2", "qwen2-tied"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gguf_round_trip_matches_transformers(tmp_path, make, dtype):
     pytest.importorskip("gguf")
@@ -121,8 +126,8 @@ def test_convert_rejects_unsupported_architectures(tmp_path):
 
 
 def test_report_has_ratios_bandwidth_share_and_failures():
-    args = SimpleNamespace(engines=list(bench.ENGINES), batch16_shapes=["llama-50m"], llamacpp_kv="f16",
-                           llamacpp_flash_attn="auto",
+    args = SimpleNamespace(engines=list(bench.ENGINES), batch16_shapes=["llama-50m"],
+                           llamacpp_kv="f16", llamacpp_flash_attn="auto",
                            threads=2, rounds=3, prompt_len=32, max_tokens=128,
                            b16_prompt_len=128, b16_max_tokens=128)
     cases = {("llama-50m", "float32"): {"weight_bytes": 100_000_000}}
