@@ -66,17 +66,21 @@ def get_pass_context() -> PassContext:
 
 def _source_of(obj: Any) -> bytes:
     """The text a pass is identified by: a file's contents for a path to a file, the text
-    itself for another string, else the source file defining `obj` (its repr if none)."""
+    itself for another string, else the source file defining `obj` (seen through decorators
+    such as `functools.cache`), or its qualified name if it has none. Never a repr: a repr may
+    hold a memory address, which would make the hash differ between processes."""
     if isinstance(obj, str):
         if os.path.isfile(obj):
             with open(obj, "rb") as f:
                 return f.read()
         return obj.encode()
+    obj = inspect.unwrap(obj)
     try:
         with open(inspect.getsourcefile(obj) or "", "rb") as f:
             return f.read()
     except (OSError, TypeError):
-        return repr(obj).encode()
+        name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+        return f"{getattr(obj, '__module__', '')}.{name}".encode()
 
 
 def source_hash(*objs: Any) -> str:
