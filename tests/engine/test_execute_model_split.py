@@ -51,7 +51,8 @@ def _runner(states, padded_to=None):
     runner = SimpleNamespace(
         block_size=BLOCK, input_buffers=InputBuffers(16, 4, torch.device("cpu")),
         requests={s.req_id: s for s in states}, attn_metadata_builder=_Builder(),
-        device=torch.device("cpu"), vllm_config=None, attention_layers={}, model=_Model(),
+        device=torch.device("cpu"), attention_layers={}, model=_Model(),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1)),
         is_driver=True)
     for name in ("_prepare_inputs", "_run_model", "_sample", "_sample_tokens",
                  "_sampling_metadata", "_prompt_logprobs"):
@@ -114,7 +115,9 @@ def test_padding_lanes_are_zero_and_the_model_sees_the_dispatched_mode():
 def test_execute_model_is_the_three_parts_in_order(monkeypatch):
     calls = []
     runner = SimpleNamespace(requests={"b": SimpleNamespace(num_computed_tokens=4)},
-                             _update_states=lambda so: calls.append("update"))
+                             _update_states=lambda so: calls.append("update"),
+                             vllm_config=SimpleNamespace(
+                                 parallel_config=SimpleNamespace(pipeline_parallel_size=1)))
     runner._prepare_inputs = lambda so: calls.append("prepare") or "batch"
     runner._run_model = lambda batch: calls.append(("run", batch)) or "hidden"
     runner._sample = lambda hidden, batch: calls.append(("sample", hidden, batch)) or "out"

@@ -80,7 +80,9 @@ def test_o2_inductor_static_fp8(tmp_path):
     reference = generate(ckpt.path, 0)
     before = dict(fusion_match_counter)
     fused = generate(ckpt.path, 2, compilation_config={"backend": "inductor"})
-    matched = {k: v - before.get(k, 0) for k, v in fusion_match_counter.items()}
+    # (passes that ran earlier in this process, e.g. another test's, stay in the counter)
+    matched = {k: v - before.get(k, 0) for k, v in fusion_match_counter.items()
+               if v - before.get(k, 0)}
     assert matched == EXPECTED["static"]
     assert fused == reference
 

@@ -33,3 +33,13 @@ def test_fusion_pass_uuids_are_the_same_in_two_processes():
     root = Path(__file__).resolve().parents[3]
     first, second = (run_fresh(PRINT_UUIDS, root).split() for _ in range(2))
     assert len(first) == 2 and first == second
+
+
+def test_a_fusion_pass_uuid_neither_traces_nor_imports_the_pattern_matcher():
+    """A warm start builds the passes for the cache key only: no tracing, no Inductor."""
+    code = PRINT_UUIDS + (
+        "import sys\n"
+        "print('matcher-imported' if 'torch._inductor.pattern_matcher' in sys.modules "
+        "else 'matcher-not-imported')\n")
+    out = run_fresh(code, Path(__file__).resolve().parents[3]).split()
+    assert out[-1] == "matcher-not-imported", out

@@ -61,9 +61,10 @@ class AllReduceFusionPass(VllmInductorPass):
         super().__init__(vllm_config)
         import vllm.distributed.shm_all_reduce  # noqa: F401  (defines the ops)
         import vllm.model_executor.kernels.fp8_ops  # noqa: F401  (the quant ops)
+        from vllm.distributed.shm_all_reduce import pattern_tracing
 
         self.group_name = group_name if group_name is not None else tp_group_name()
-        self.patterns = mu.FusionPatterns(self.name)
+        self.patterns = mu.FusionPatterns(self.name, tracing_context=pattern_tracing)
         if self.group_name is None:
             return
         if quant is None:
@@ -77,8 +78,6 @@ class AllReduceFusionPass(VllmInductorPass):
 
     def _register(self, decompose: bool, dtype: torch.dtype, eps: float, quant: bool,
                   residual: bool) -> None:
-        from vllm.distributed.shm_all_reduce import pattern_tracing
-
         inputs: list[Any] = [mu.example((5, HIDDEN), dtype)]
         if residual:
             inputs.append(mu.example((5, HIDDEN), dtype))
@@ -93,9 +92,8 @@ class AllReduceFusionPass(VllmInductorPass):
                     f"{f'+quant[{quant_name}]' if quant else ''}/{dtype}/eps={eps}/"
                     f"{'decomposed' if decompose else 'aten'}/group={self.group_name}")
             names = ["x", "residual", "weight"] if residual else ["x", "weight"]
-            with pattern_tracing():
-                self.patterns.register(name, search, replace, inputs, decompose,
-                                       mu.same_dtype_check(dtype, names))
+            self.patterns.register(name, search, replace, inputs, decompose,
+                                   mu.same_dtype_check(dtype, names))
 
     def apply(self, graph: fx.Graph) -> int:
         if self.group_name is None:

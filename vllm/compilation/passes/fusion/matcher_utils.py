@@ -227,18 +227,55 @@ _registration_lock = threading.Lock()
 
 
 class FusionPatterns:
-    """A PatternMatcherPass plus bookkeeping: what was registered, for the uuid and logs."""
+    """A PatternMatcherPass plus bookkeeping: what was registered, for the uuid and logs.
 
-    def __init__(self, pass_name: str) -> None:
-        from torch._inductor.pattern_matcher import PatternMatcherPass
+    `register` only records a pattern; the patterns are traced and handed to Inductor's
+    pattern matcher when the matcher is first needed (`patterns`, `registered`, `apply`).
+    So building a pass and asking for its uuid (the compile-cache key, on every start)
+    neither imports Inductor nor traces anything: a warm start that loads every compiled
+    piece from the cache never does."""
 
+    def __init__(self, pass_name: str,
+                 tracing_context: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.pass_name = pass_name
-        self.patterns = PatternMatcherPass(pass_name=pass_name)
-        self.registered: list[str] = []
+        self.tracing_context = tracing_context  # entered while the patterns are traced
+        self.planned: list[str] = []  # every pattern asked for, in order (for the uuid)
+        self._pending: list[tuple] = []
+        self._matcher: Any = None
+        self._registered: list[str] = []
 
     def register(self, name: str, search: Callable, replace: Callable,
                  inputs: list[Any], decompose: bool,
                  extra_check: Callable[[Any], bool] | None = None) -> None:
+        self.planned.append(name)
+        self._pending.append((name, search, replace, inputs, decompose, extra_check))
+
+    @property
+    def patterns(self) -> Any:
+        """Inductor's PatternMatcherPass with every recorded pattern registered."""
+        if self._matcher is None:
+            from torch._inductor.pattern_matcher import PatternMatcherPass
+
+            self._matcher = PatternMatcherPass(pass_name=self.pass_name)
+        if self._pending:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            # First use is usually inside a compile (its fake-tensor mode active): the
+            # patterns are traced on real example tensors, outside that mode.
+            with unset_fake_temporarily(), self.tracing_context():
+                while self._pending:
+                    self._register_now(*self._pending.pop(0))
+        return self._matcher
+
+    @property
+    def registered(self) -> list[str]:
+        """The patterns the matcher holds (a duplicate of an earlier one is skipped)."""
+        self.patterns  # noqa: B018  (registers what is pending)
+        return self._registered
+
+    def _register_now(self, name: str, search: Callable, replace: Callable,
+                      inputs: list[Any], decompose: bool,
+                      extra_check: Callable[[Any], bool] | None) -> None:
         from torch._inductor.pattern_matcher import register_replacement
 
         from vllm.model_executor.kernels.cpu_loader import cpu_kernels_held_back
@@ -249,10 +286,10 @@ class FusionPatterns:
                      else cpu_kernels_held_back())
         with _registration_lock, held_back:
             added = register_replacement(
-                search, replace, inputs, make_trace_fn(decompose), self.patterns,
+                search, replace, inputs, make_trace_fn(decompose), self._matcher,
                 extra_check=extra_check or (lambda match: True), skip_duplicates=True)
         if added is not False:
-            self.registered.append(name)
+            self._registered.append(name)
 
     def apply(self, graph: fx.Graph) -> int:
         copies = split_shared_converts(graph)
@@ -267,7 +304,7 @@ class FusionPatterns:
     def describe(self) -> str:
         """What the patterns depend on, for the pass's uuid: the registered patterns and the
         source of the code they are traced from."""
-        return ";".join(self.registered) + "|" + dependency_hash()
+        return ";".join(self.planned) + "|" + dependency_hash()
 
 
 def _is_convert(node: fx.Node) -> bool:
