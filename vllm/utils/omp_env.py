@@ -18,17 +18,17 @@ import sys
 WAIT_POLICY_ENVS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 POLICY_ENV = "VLLM_CPU_OMP_WAIT_POLICY"
 
-# What "auto" sets: PASSIVE (a thread that finds no work sleeps at once). libgomp's default
-# spins up to 300k iterations at every barrier first; with a core taken by another process the
-# thread spinning for its descheduled partner burns the time slices that partner needs, at
-# each of the ~100 parallel regions of a decode step. Measured on the shared 2-core dev machine
-# (benchmarks/bench_busy_core.py, demo model, -O0, batch 1, 2 threads, the contention governor
-# off, one process each, the machine loaded by other jobs too): with a busy core 643 ms per
-# token at libgomp's default, 111 ms with GOMP_SPINCOUNT=10000, 4-30 ms with PASSIVE; without
-# the busy core (the other jobs only) 128-202 / 77 / 18-28 ms. Its cost on a quiet machine (a
-# wake-up per region instead of a spin) is the `after` against `after_gomp_default` rows of
-# that benchmark: if it loses there, this is the place to change.
-DEFAULT_OMP_ENV: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+# What "auto" sets: nothing, i.e. libgomp's own policy (spin up to 300k iterations at a
+# barrier, then sleep). PASSIVE (sleep at once) was the first choice: beside a busy core on a
+# loaded machine it cut 643 ms per token to 4-30 ms with the contention governor off. But on a
+# quiet 2-core machine (benchmarks/results/busy_core.md, -O2, batch 1, fresh processes,
+# interleaved rounds) its wake-up per parallel region costs 2.7x per token idle on the demo
+# model (4.39 against 1.36-1.61 ms) and 1.8x on the 50M Llama (16.8 against 8.2-9.4 ms), while
+# the contention governor alone (vllm/utils/cpu_contention.py: one thread while a core is
+# taken) keeps the busy figure within 1.5-2.0x of idle at the default policy. Idle speed is
+# what most users have, so the default stays libgomp's; VLLM_CPU_OMP_WAIT_POLICY=passive (or
+# OMP_WAIT_POLICY) chooses PASSIVE where cores are shared and the governor is off.
+DEFAULT_OMP_ENV: dict[str, str] = {}
 
 
 def omp_env_defaults(env=None) -> dict[str, str]:
