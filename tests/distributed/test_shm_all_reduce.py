@@ -71,7 +71,9 @@ def _sums(rank):
     tp = get_tp_group()
     comm = tp.shm_all_reduce
     assert comm is not None
-    # Unlinked once every rank attached: nothing is left to clean up after a crash.
+    # Unlinked by rank 0 once every rank attached: nothing is left to clean up after a crash.
+    # (The barrier: the other ranks may get here before rank 0 has unlinked it.)
+    dist.barrier(group=tp.group)
     assert not os.path.exists("/dev/shm" + comm.name)
     checked = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

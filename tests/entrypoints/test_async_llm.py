@@ -252,3 +252,29 @@ def test_upstream_async_names_on_a_real_engine():
     assert engine.is_stopped
     assert all(f.finished and f.outputs[0].token_ids == expected.token_ids for f in finals)
     assert finals[0].outputs[0].text == expected.text
+
+
+def test_itl_counts_every_token_after_the_first_even_when_they_arrive_together():
+    """The engine-core process may hand over two steps' tokens in one output: the extra tokens
+    of the first output are inter-token intervals (of 0 s), so a request of N tokens always
+    adds N - 1 to the ITL histogram's count."""
+    from types import SimpleNamespace
+
+    from vllm.engine.async_llm import RequestStream
+
+    metrics = ServerMetrics("m")
+    loop = asyncio.new_event_loop()
+    try:
+        stream = RequestStream("r", loop)
+        stream.arrival_time = 0.0
+
+        def output(n):
+            return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n)))],
+                                   prompt_token_ids=[1, 2], finished=False)
+
+        for now, n in ((1.0, 2), (1.5, 3), (2.5, 5)):  # 2 tokens at once, then 1, then 2
+            AsyncLLM._observe(metrics, stream, output(n), now)
+    finally:
+        loop.close()
+    assert metrics.ttft.count == 1
+    assert metrics.itl.count == 4  # 5 tokens

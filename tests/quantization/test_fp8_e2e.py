@@ -73,8 +73,11 @@ def test_o2_fuses_and_matches_o0(tmp_path, case, caplog):
     assert fused == reference
 
 
-def test_o2_inductor_static_fp8(tmp_path):
+def test_o2_inductor_static_fp8(tmp_path, monkeypatch):
     """The same with Inductor (CPU freezing on): patterns match Inductor's IR."""
+    # A compile cache of its own: an entry stored by an earlier run would be loaded and the
+    # passes would not run at all.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
     ckpt = make_fp8_llama(tmp_path / "ind", layout="fp8", weights="tensor",
                           activations="static", dtype="float32")
     reference = generate(ckpt.path, 0)

@@ -579,6 +579,8 @@ class AsyncLLM:
             stream._first_token_seen = True
             num_prompt = len(output.prompt_token_ids or [])
             observer.on_first_token(now - stream.arrival_time)
+            if new_tokens > 1:  # more tokens in the first output (e.g. two steps' at once)
+                observer.on_inter_token(0.0, new_tokens - 1)
         elif new_tokens > 0 and stream._last_token_time is not None:
             observer.on_inter_token(now - stream._last_token_time, new_tokens)
         if new_tokens or num_prompt:
