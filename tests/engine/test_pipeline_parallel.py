@@ -83,7 +83,8 @@ def test_micro_batches_split_the_requests_by_tokens(monkeypatch):
 
     monkeypatch.delenv("VLLM_PP_MICRO_BATCHES", raising=False)
 
-    def split(tokens: dict[str, int], pp: int) -> list[dict[str, int]]:
+    def split(tokens: dict[str, int], pp: int, micro: int | None = None) -> list[dict[str, int]]:
+        monkeypatch.setenv("VLLM_PP_MICRO_BATCHES", str(micro or pp))  # one per stage
         so = SchedulerOutput([], [], tokens, sum(tokens.values()))
         parts = split_micro_batches(so, pp)
         assert all(p.total_num_scheduled_tokens == sum(p.num_scheduled_tokens.values())
@@ -95,11 +96,15 @@ def test_micro_batches_split_the_requests_by_tokens(monkeypatch):
     assert split({"a": 1, "b": 1, "c": 10}, 3) == [{"a": 1}, {"b": 1}, {"c": 10}]
     assert split({"a": 5}, 2) == [{"a": 5}]
     assert split({"a": 1, "b": 1}, 1) == [{"a": 1, "b": 1}]
-    monkeypatch.setenv("VLLM_PP_MICRO_BATCHES", "1")
-    assert split({"a": 1, "b": 1}, 2) == [{"a": 1, "b": 1}]
+    assert split({"a": 1, "b": 1}, 2, micro=1) == [{"a": 1, "b": 1}]
+    # Unset: the whole batch stage by stage (measured faster, see num_micro_batches).
+    monkeypatch.delenv("VLLM_PP_MICRO_BATCHES")
+    so = SchedulerOutput([], [], {"a": 1, "b": 1, "c": 1}, 3)
+    assert [p.num_scheduled_tokens for p in split_micro_batches(so, 3)] == [
+        {"a": 1, "b": 1, "c": 1}]
     monkeypatch.setenv("VLLM_PP_MICRO_BATCHES", "0")
     with pytest.raises(ValueError, match="VLLM_PP_MICRO_BATCHES='0' must be a positive"):
-        split({"a": 1, "b": 1}, 2)
+        split_micro_batches(SchedulerOutput([], [], {"a": 1, "b": 1}, 2), 2)
 
 
 @pytest.fixture
