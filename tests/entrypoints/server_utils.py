@@ -102,3 +102,21 @@ class RemoteServer:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+def spawned_children(pid: int) -> list[int]:
+    """`pid`'s children running spawn_main (the resource tracker left out)."""
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):  # (the engine thread started them)
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children.update(int(c) for c in f.read().split())
+    spawned = []
+    for child in sorted(children):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            spawned.append(child)
+    return spawned

@@ -10,7 +10,7 @@ import threading
 
 import httpx
 import pytest
-from server_utils import RemoteServer
+from server_utils import RemoteServer, spawned_children
 
 pytestmark = pytest.mark.slow
 
@@ -20,19 +20,7 @@ SMALL = ["-O0", "--max-model-len", "512", "--kv-cache-memory", "32MiB"]
 
 def core_pid(server_pid: int) -> int:
     """The server's engine-core process: its one spawned child (spawn_main)."""
-    children: set[int] = set()
-    for task in os.listdir(f"/proc/{server_pid}/task"):
-        with open(f"/proc/{server_pid}/task/{task}/children") as f:
-            children.update(int(c) for c in f.read().split())
-    cores = []
-    for child in sorted(children):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-            cores.append(child)
+    cores = spawned_children(server_pid)
     assert len(cores) == 1, cores
     return cores[0]
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from fake_engine import FakeEngine
-from server_utils import RemoteServer, free_port, serve_in_thread
+from server_utils import RemoteServer, free_port, serve_in_thread, spawned_children
 
 from vllm.engine.async_llm import AsyncLLM
 from vllm.entrypoints import api_server as simple
@@ -190,30 +190,14 @@ def test_generate_accepts_n_at_the_cap(generate_url):
 
 
 # ---- real server processes (slow): a TP worker killed while idle -> exit 1 ------------------
-def _spawned_children(pid: int) -> list[int]:
-    """`pid`'s children running spawn_main (the resource tracker left out)."""
-    children: set[int] = set()
-    for task in os.listdir(f"/proc/{pid}/task"):  # (the engine thread started them)
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children.update(int(c) for c in f.read().split())
-    spawned = []
-    for child in sorted(children):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-            spawned.append(child)
-    return spawned
 
 
 def _worker_pids(pid: int) -> list[int]:
     """The server's spawned tensor-parallel workers: its spawned children, or, when the
     engine runs in an engine-core process (VLLM_ENABLE_MULTIPROCESSING=1), that process's."""
-    spawned = _spawned_children(pid)
-    if len(spawned) == 1 and _spawned_children(spawned[0]):
-        return _spawned_children(spawned[0])
+    spawned = spawned_children(pid)
+    if len(spawned) == 1 and spawned_children(spawned[0]):
+        return spawned_children(spawned[0])
     return spawned
 
 
