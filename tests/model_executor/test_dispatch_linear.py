@@ -65,7 +65,8 @@ def test_routes():
     assert route(torch.randn(1, 8), w.t().contiguous().t()) == "onednn"  # weight not dense
     assert route(torch.randn(1, 8), w, torch.randn(32)[::2]) == "onednn"  # bias not dense
     assert route(torch.randn(bf16, 8).bfloat16(), w.bfloat16()) == "small_m"
-    assert route(torch.randn(bf16 + 1, 8).bfloat16(), w.bfloat16()) == "aten"
+    more_bf16 = "widened" if cpu_linear.bf16_widened() else "aten"
+    assert route(torch.randn(bf16 + 1, 8).bfloat16(), w.bfloat16()) == more_bf16
     assert route(torch.randn(4, 8).double(), w.double()) == "aten"
     assert route(torch.randn(4, 8), w.double()) == "aten"  # mixed dtypes
 
@@ -79,6 +80,59 @@ def test_dispatcher_is_one_native_call():
         cpu_linear.dispatch_linear(x, w)
     names = [e.name for e in prof.events()]
     assert "vllm_cpu_linear::linear" in names and "vllm_cpu_linear::small_m_linear" not in names
+
+
+# ---- bfloat16 where oneDNN has no bfloat16 kernels (AVX2): widened blocks ------------------
+
+@pytest.fixture
+def widened_policy():
+    """The C++ dispatcher told to widen bfloat16 products of more than 4 rows (as on an AVX2
+    CPU), whatever this machine is; the process's own policy is restored after."""
+    f32, bf16 = cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16)
+    torch.ops.vllm_cpu_linear.configure(f32, 4, True, True)
+    yield
+    torch.ops.vllm_cpu_linear.configure(f32, bf16, cpu_linear.onednn_linear_enabled(),
+                                        cpu_linear.bf16_widened())
+
+
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+@pytest.mark.parametrize("shape,n,k", [
+    ((5, 64), 48, 64),          # one block, rows padded for oneDNN (5 -> 5, exact)
+    ((2, 9, 80), 96, 80),       # 3-D input, 18 rows padded to 20
+    ((70, 4096), 600, 4096),    # three blocks of 256 weight rows (1M floats / K): 256+256+88
+    ((0, 32), 16, 32),          # no rows
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_widened_bfloat16_matches_float32_product(widened_policy, shape, n, k, with_bias):
+    torch.manual_seed(0)
+    w = torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if with_bias else None
+    x = torch.randn(*shape).bfloat16()
+    if shape[0]:
+        assert cpu_linear.linear_route(x, w, b) == "widened"
+    got = cpu_linear.dispatch_linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (*shape[:-1], n)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # float32 sums, rounded to bfloat16 once: within a bfloat16 rounding of the exact product
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(),
+                               atol=1e-2 * k ** 0.5, rtol=1e-2)
+
+
+def test_bf16_policy_follows_onednn_bf16_support(monkeypatch):
+    """No oneDNN bfloat16 kernels (AVX2): the small-M kernel up to 48 rows, widened beyond;
+    with them (AVX-512) torch's own bfloat16 GEMM keeps the larger products."""
+    if not cpu_linear.small_m_linear_available():
+        pytest.skip("the C++ linear dispatcher could not be built")
+    monkeypatch.setattr(cpu_linear, "_max_rows_cache", {})
+    monkeypatch.setattr(torch.ops.vllm_cpu_linear, "has_bf16_dot", lambda: False)
+    monkeypatch.setattr(cpu_linear, "_onednn_has_bf16", lambda: False)
+    assert cpu_linear.bf16_widened()
+    assert cpu_linear._max_rows(torch.bfloat16) == cpu_linear.BF16_WIDENED_MIN_ROWS - 1 == 48
+    monkeypatch.setattr(cpu_linear, "_max_rows_cache", {})
+    monkeypatch.setattr(cpu_linear, "_onednn_has_bf16", lambda: True)
+    assert not cpu_linear.bf16_widened()
+    assert cpu_linear._max_rows(torch.bfloat16) == cpu_linear.SMALL_M_MAX_ROWS[torch.bfloat16]
 
 
 def test_env_switch_off(monkeypatch):

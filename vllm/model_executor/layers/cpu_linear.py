@@ -17,8 +17,12 @@ changing grew without visible objects (issue 18: ~25 MB per 1000 chat requests).
 are padded to a few row counts (`onednn_rows`: 4 per octave) so the caches stop growing once
 the row buckets a workload uses have been seen.
 
-Other products (bfloat16 with more rows, other dtypes, other devices) keep `F.linear`, and so
-does traced code (torch.compile: Inductor lowers `F.linear` itself). The choice is made in C++
+bfloat16 products with more rows go to torch's bfloat16 GEMM, except where oneDNN has no
+bfloat16 kernels for the CPU (below AVX-512): there that GEMM runs at a few GFLOP/s (5-7x
+slower than float32 from 64 rows on an AVX2 machine, made batch-16 bfloat16 serving 5x slower
+than llama.cpp), so the small-M kernel takes up to 48 rows and beyond that the weight is widened
+to float32 block by block for oneDNN ("widened"; `bf16_widened()`). Other products (other
+dtypes, other devices) keep `F.linear`, and so does traced code (torch.compile: Inductor lowers `F.linear` itself). The choice is made in C++
 (`vllm_cpu_linear::linear`, csrc/cpu_small_m_linear.cpp: choosing in Python cost ~5 us a call),
 which also serves compiled models as an opaque op (`cpu_linear_op`) and computes with weights
 prepacked for oneDNN (cpu_prepacked_linear.py). The kernels are built at first use for the
@@ -43,6 +47,10 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc",
 # cold weights; bfloat16 with AVX512-BF16 dot products goes further).
 SMALL_M_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 4}
 BF16_DOT_MAX_ROWS = 16
+# Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
+# machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x
+# at 256; both ~1.5-5x aten's bfloat16 GEMM from 8 rows on).
+BF16_WIDENED_MIN_ROWS = 49
 
 _onednn: bool | None = None
 
@@ -65,12 +73,23 @@ def small_m_linear_available() -> bool:
     if not _configured:
         _configured = True
         torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
-                                            onednn_linear_enabled())
+                                            onednn_linear_enabled(), bf16_widened())
     return True
 
 
 _configured = False
 _max_rows_cache: dict[torch.dtype, int] = {}
+
+
+def bf16_widened() -> bool:
+    """Whether bfloat16 products with more rows than the small-M kernel takes are widened to
+    float32 block by block for oneDNN (csrc `widened_linear`): where oneDNN has no bfloat16
+    kernels for this CPU (below AVX-512), torch's bfloat16 GEMM runs at a few GFLOP/s."""
+    return onednn_linear_enabled() and not _onednn_has_bf16()
+
+
+def _onednn_has_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _max_rows(dtype: torch.dtype) -> int:
@@ -79,6 +98,8 @@ def _max_rows(dtype: torch.dtype) -> int:
         rows = SMALL_M_MAX_ROWS.get(dtype, 0)
         if dtype == torch.bfloat16 and torch.ops.vllm_cpu_linear.has_bf16_dot():
             rows = BF16_DOT_MAX_ROWS
+        elif dtype == torch.bfloat16 and bf16_widened():
+            rows = BF16_WIDENED_MIN_ROWS - 1
         _max_rows_cache[dtype] = rows
     return rows
 

@@ -429,6 +429,7 @@ struct Policy {
   int64_t f32_small_rows = 4;   // most rows for the small-M kernel, float32
   int64_t bf16_small_rows = 4;  // same, bfloat16
   bool onednn = true;           // float32 products with more rows: oneDNN (else aten::linear)
+  bool bf16_widened = false;    // bfloat16 products with more rows: widened blocks in oneDNN
 };
 Policy g_policy;
 
@@ -440,13 +441,14 @@ struct Packed {
 std::mutex g_packed_mutex;
 std::unordered_map<const void*, Packed> g_packed;
 
-enum class Route { kSmallM, kPacked, kOneDnn, kAten };
+enum class Route { kSmallM, kPacked, kOneDnn, kWidened, kAten };
 
 const char* route_name(Route r) {
   switch (r) {
     case Route::kSmallM: return "small_m";
     case Route::kPacked: return "packed";
     case Route::kOneDnn: return "onednn";
+    case Route::kWidened: return "widened";
     default: return "aten";
   }
 }
@@ -478,6 +480,9 @@ Route choose(const at::Tensor& x, const at::Tensor& weight,
                         : x.scalar_type() == at::kBFloat16 ? g_policy.bf16_small_rows
                                                            : 0;
   if (rows > 0 && rows <= small && weight.is_contiguous() && bias_dense) return Route::kSmallM;
+  if (x.scalar_type() == at::kBFloat16 && g_policy.bf16_widened && g_policy.onednn &&
+      rows > 0 && weight.is_contiguous() && bias_dense)
+    return Route::kWidened;
   if (x.scalar_type() != at::kFloat) return Route::kAten;
   at::Tensor p = find_packed(weight);
   if (p.defined()) {
@@ -540,6 +545,48 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight,
   return onednn_call(xp, weight, bias).narrow(0, 0, rows);
 }
 
+// bfloat16 products with many rows where torch's bfloat16 GEMM has no fast path (oneDNN has
+// no bfloat16 kernels below AVX-512: aten::linear then runs at a few GFLOP/s, 5-7x slower than
+// float32 at 64..2048 rows on an AVX2 machine). The weight is widened to float32 a block of rows
+// at a time into a buffer that stays in L2 (kWidenBlockFloats), and each block is one float32
+// oneDNN product with x widened once (its rows padded once to onednn_rows, as above); the
+// result is rounded to bfloat16 block by block. No float32 copy of the whole weight is ever
+// held (the LM head of a 150k vocabulary would need ~0.5 GB per call).
+constexpr int64_t kWidenBlockFloats = 1024 * 1024;
+
+void widen_rows(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  const int64_t padded = onednn_rows(rows);
+  at::Tensor xf = at::zeros({padded, k}, x.options().dtype(at::kFloat));
+  xf.narrow(0, 0, rows).copy_(x);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return out;
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor bias_f = has_bias ? bias->to(at::kFloat) : at::Tensor();
+  const int64_t block = std::min<int64_t>(n, std::max<int64_t>(256, kWidenBlockFloats / std::max<int64_t>(k, 1) / 16 * 16));
+  at::Tensor buffer = at::empty({block, k}, xf.options());
+  const auto* w = weight.data_ptr<c10::BFloat16>();
+  float* buf = buffer.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < n; n0 += block) {
+    const int64_t nb = std::min(block, n - n0);
+    at::parallel_for(0, nb, 8, [&](int64_t begin, int64_t end) {
+      widen_rows(w + (n0 + begin) * k, buf + begin * k, (end - begin) * k);
+    });
+    std::optional<at::Tensor> bias_block;
+    if (has_bias) bias_block = bias_f.narrow(0, n0, nb);
+    at::Tensor part = onednn_call(xf, buffer.narrow(0, 0, nb), bias_block);
+    out.narrow(1, n0, nb).copy_(part.narrow(0, 0, rows));
+  }
+  return out;
+}
+
 std::vector<int64_t> out_sizes(const at::Tensor& x, const at::Tensor& weight) {
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = weight.size(0);
@@ -567,6 +614,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
     case Route::kOneDnn:
       if (x.dim() == 2 && x.stride(1) == 1) return onednn_linear(x, weight, bias);
       return onednn_linear(as_rows(x), weight, bias).view(out_sizes(x, weight));
+    case Route::kWidened:
+      return widened_linear(as_rows(x), weight, bias).view(out_sizes(x, weight));
     default:
       return at::linear(x, weight, bias);
   }
@@ -577,8 +626,9 @@ std::string linear_route(const at::Tensor& x, const at::Tensor& weight,
   return route_name(choose(x, weight, bias, nullptr));
 }
 
-void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn) {
-  g_policy = Policy{f32_small_rows, bf16_small_rows, onednn};
+void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
+               bool bf16_widened) {
+  g_policy = Policy{f32_small_rows, bf16_small_rows, onednn, bf16_widened};
 }
 
 // Keep `packed` (the oneDNN reorder of `weight`) for products with `weight` while the weight
@@ -633,7 +683,8 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.impl("linear", c10::DispatchKey::Meta, &linear_meta);
   m.def("linear_route(Tensor x, Tensor weight, Tensor? bias=None) -> str", &linear_route);
   m.def("onednn_rows(int rows) -> int", &onednn_rows);
-  m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn) -> ()", &configure);
+  m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn, bool bf16_widened=False) -> ()",
+        &configure);
   m.def("set_packed(Tensor weight, Tensor packed) -> int", &set_packed);
   m.def("drop_packed(int key) -> ()", &drop_packed);
   m.def("num_packed() -> int", &num_packed);
