@@ -166,3 +166,35 @@ def test_unknown_activation_names_the_allowed_ones():
         get_act_fn("softplus")
     with pytest.raises(ValueError, match="'relu'.*supported: silu"):
         get_act_and_mul_fn("relu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_linears_stay_opaque_in_float32_and_bfloat16(dtype):
+    """Compiled levels hand float32 and bfloat16 CPU products to the C++ dispatcher op, never
+    to Inductor's own GEMM lowering (in bfloat16 that was oneDNN's bf16 GEMM: ~half the
+    bandwidth at one row, no fast kernel on AVX2; the 0.5B shape decoded 1.5x slower at -O2
+    than at -O0)."""
+    from vllm.model_executor.layers.cpu_linear import small_m_linear_available
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    if not small_m_linear_available():
+        pytest.skip("the C++ linear dispatcher could not be built")
+    config = VllmConfig(optimization_level=1)
+    with set_current_vllm_config(config):
+        layer = ReplicatedLinear(64, 32, bias=False, params_dtype=dtype)
+    layer.weight.data.normal_()
+    layer.quant_method.process_weights_after_loading(layer)
+    targets: list[str] = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    x = torch.randn(3, 64, dtype=dtype)
+    out = torch.compile(layer, backend=record, fullgraph=True)(x)
+    out = out[0] if isinstance(out, tuple) else out
+    assert any("vllm_cpu_linear.linear" in t for t in targets), targets
+    assert not any("aten.linear" in t or t.endswith("linear>") for t in targets
+                   if "vllm_cpu_linear" not in t), targets
+    want = F.linear(x.float(), layer.weight.float()).to(dtype).float()
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

@@ -107,11 +107,13 @@ def prepacking_wanted() -> bool:
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """Plain weights. In a compiled model (-O1..-O3) a float32 CPU product goes through the
-    opaque C++ dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py), the kernels of
-    `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured slower here); with
-    `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) the weight is also
-    reordered for oneDNN after loading (in the background, finished after ready if need be)
+    """Plain weights. In a compiled model (-O1..-O3) a float32 or bfloat16 CPU product goes
+    through the opaque C++ dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py), the
+    kernels of `dispatch_linear` (Inductor would lower it to MKL's sgemm, measured slower here;
+    in bfloat16 to oneDNN's bfloat16 GEMM, which reads the weight at ~half the bandwidth at one
+    row and has no fast kernel at all on AVX2: the 0.5B shape decoded 1.5x slower at -O2 than at
+    -O0); with `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) a float32
+    weight is also reordered for oneDNN after loading (in the background, finished after ready if need be)
     and the op computes with that copy.
     With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
     which folds and prepacks them itself."""
@@ -130,12 +132,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
-        if self.compiled and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if (self.compiled and weight.device.type == "cpu"
+                and weight.dtype in (torch.float32, torch.bfloat16)):
             from vllm.model_executor.layers.cpu_linear import cpu_linear_op
             from vllm.model_executor.layers.cpu_prepacked_linear import prepack_in_background
 
             self.cpu_op = cpu_linear_op()
-            if self.want_prepack:
+            if self.want_prepack and weight.dtype == torch.float32:
                 prepack_in_background(weight)  # finished in the background, maybe after ready
 
     def apply(self, layer, x, bias=None):
