@@ -160,11 +160,19 @@ inline vf load16(const c10::Half* p) {
 }
 
 // dst[0:n] = float(src[0:n]).
+// (Plain loops the compiler vectorizes at the ISA's own width: a copy through 16-lane vectors
+// went through the stack in 16-byte pieces below AVX-512.)
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + kKeys <= n; i += kKeys) store_u(dst + i, load16(src + i));
-  for (; i < n; ++i) dst[i] = to_float(src[i]);
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+  }
 }
 
 // out[j] = sum of the 16 lanes of p[j], for j < 16: four rounds that each add the two halves
@@ -191,8 +199,9 @@ inline vf reduce16(const vf* p) {
 }
 
 // Scores of one row against a chunk of nk keys (lanes >= nk are zero; the caller masks).
-// Head sizes that are a multiple of 16: a vector dot product per key over float K rows, then
-// one reduce16 for the 16 keys.
+// Head sizes that are a multiple of 16: a vector dot product per key over float K rows.
+#if defined(__AVX512F__)
+// One 16-lane vector per key, then one reduce16 for the 16 keys.
 inline vf scores_dense(const float* q, int64_t D, const float* k, int64_t k_stride, int nk) {
   vf p[kKeys];
   for (int j = 0; j < kKeys; ++j) {
@@ -205,6 +214,30 @@ inline vf scores_dense(const float* q, int64_t D, const float* k, int64_t k_stri
   }
   return reduce16(p);
 }
+#else
+// Below AVX-512 the 16 accumulators of reduce16 are 32 half-vectors, twice the register file:
+// they were kept on the stack and the cross-lane shuffles went through general registers (a
+// decode call of the 50M Llama spent ~100 us at 96 positions, AVX2). Each key's dot product is
+// summed within two 8-lane registers and reduced on its own instead.
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf8_u __attribute__((vector_size(32), aligned(4), may_alias));
+inline vf8 load8(const float* p) { return *reinterpret_cast<const vf8_u*>(p); }
+inline void store8(float* p, vf8 v) { *reinterpret_cast<vf8_u*>(p) = v; }
+inline vf scores_dense(const float* q, int64_t D, const float* k, int64_t k_stride, int nk) {
+  alignas(64) float out[kKeys] = {};
+  for (int j = 0; j < nk; ++j) {
+    const float* kj = k + j * k_stride;
+    vf8 a0{}, a1{};
+    for (int64_t c = 0; c < D; c += kKeys) {
+      a0 += load8(q + c) * load8(kj + c);
+      a1 += load8(q + c + 8) * load8(kj + c + 8);
+    }
+    const vf8 a = a0 + a1;
+    out[j] = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+  }
+  return load_u(out);
+}
+#endif
 
 // Other head sizes: through K^T [D][kKeys], one broadcast FMA per channel.
 inline vf scores_transposed(const float* q, int64_t D, const float* kt) {
@@ -301,11 +334,26 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
     const float* p = s.probs.data() + row * kKeys;
     float* acc = s.acc.data() + row * D;
     int64_t c = 0;
+#if defined(__AVX512F__)
     for (; c + kKeys <= D; c += kKeys) {
       vf a = load_u(acc + c);
       for (int j = 0; j < nk; ++j) a += p[j] * load_u(v + j * v_stride + c);
       store_u(acc + c, a);
     }
+#else
+    // Two 8-lane accumulators: a 16-lane one was kept on the stack and moved through general
+    // registers on every key (AVX2).
+    for (; c + kKeys <= D; c += kKeys) {
+      vf8 a0 = load8(acc + c), a1 = load8(acc + c + 8);
+      for (int j = 0; j < nk; ++j) {
+        const float* vj = v + j * v_stride + c;
+        a0 += p[j] * load8(vj);
+        a1 += p[j] * load8(vj + 8);
+      }
+      store8(acc + c, a0);
+      store8(acc + c + 8, a1);
+    }
+#endif
     for (; c < D; ++c) {
       float a = acc[c];
       for (int j = 0; j < nk; ++j) a += p[j] * v[j * v_stride + c];
