@@ -232,3 +232,35 @@ def test_onednn_memory_stops_growing_with_new_row_counts():
         cpu_linear.dispatch_linear(x[:rows], w)
     grown = _malloc_in_use() - before
     assert grown < 8 * 2**20, f"malloc in use grew {grown / 2**20:.1f} MB"
+
+
+# ---- software prefetch distance per ISA level (measured per machine) -----------------------
+
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+def test_prefetch_distance_default_env_and_results(monkeypatch):
+    op = torch.ops.vllm_cpu_linear
+    level = op.isa()
+    monkeypatch.delenv("VLLM_CPU_LINEAR_PREFETCH_BYTES", raising=False)
+    assert cpu_linear.prefetch_bytes() == cpu_linear.PREFETCH_BYTES.get(level, 8192)
+    assert cpu_linear.PREFETCH_BYTES["avx2"] == 0  # any software prefetch measured slower
+    assert op.prefetch_bytes() == cpu_linear.prefetch_bytes()  # what the first load set
+    monkeypatch.setenv("VLLM_CPU_LINEAR_PREFETCH_BYTES", "4096")
+    assert cpu_linear.prefetch_bytes() == 4096
+    for bad in ("-1", "4k", "1.5"):
+        monkeypatch.setenv("VLLM_CPU_LINEAR_PREFETCH_BYTES", bad)
+        with pytest.raises(ValueError, match=f"VLLM_CPU_LINEAR_PREFETCH_BYTES.*{bad!r}"):
+            cpu_linear.prefetch_bytes()
+    # Every distance computes the same product (prefetching changes timing only).
+    torch.manual_seed(0)
+    before = op.prefetch_bytes()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            w, x = torch.randn(300, 1100).to(dtype), torch.randn(3, 1100).to(dtype)
+            results = []
+            for distance in (0, 1024, 8192):
+                assert op.prefetch_bytes(distance) == distance
+                results.append(op.linear(x, w))
+            assert all(torch.equal(results[0], r) for r in results[1:])
+    finally:
+        op.prefetch_bytes(before)

@@ -82,7 +82,9 @@ constexpr int kTileN = 2;
 constexpr int kLanes = kVecBytes / 4;     // floats per vector
 constexpr int kTileM = 4;                 // x rows per pass over a block of the weight
 constexpr int64_t kDotMinRows = 3;        // fewer rows keep the widening loop
-constexpr int64_t kPrefetchBytes = 8192;  // how far ahead of the read one stream prefetches
+// How far ahead of the read one stream prefetches (0: no software prefetch), set from Python
+// per ISA level (`prefetch_bytes` op; cpu_linear.py says what was measured where).
+int64_t g_prefetch_bytes = 8192;
 constexpr int64_t kStreamL1Bytes = 20480;  // x (as float) + 2 weight rows, for one stream
 constexpr int kLineBytes = 64;
 
@@ -133,11 +135,11 @@ inline float hsum(vf v) {
 }
 
 // Where to prefetch for weight row i of an NR-row tile at column k: one row (a single stream
-// through the weight) kPrefetchBytes ahead; a tile of rows side by side the same column of
-// the next tile.
+// through the weight) g_prefetch_bytes ahead; a tile of rows side by side the same column of
+// the next tile. Callers prefetch only while g_prefetch_bytes > 0.
 template <int NR, typename T>
 inline const T* prefetch_at(const T* w, int64_t K, int i, int64_t k) {
-  if constexpr (NR == 1) return w + k + kPrefetchBytes / static_cast<int64_t>(sizeof(T));
+  if constexpr (NR == 1) return w + k + g_prefetch_bytes / static_cast<int64_t>(sizeof(T));
   return w + (i + NR) * K + k;
 }
 
@@ -156,6 +158,7 @@ struct Widen {
   template <int NR, int MR>
   static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const float* x,
                            int64_t x_stride, vf* acc_io) {
+    const bool prefetch = g_prefetch_bytes > 0;
     if constexpr (NR == 1 && MR == 1) {
       // One stream, 256 bytes of weight (4 cache lines) an iteration, up to 8 accumulators:
       // with fewer, a row of cached weights would wait on the adds' latency, not on reads.
@@ -164,8 +167,10 @@ struct Widen {
       vf a[kAcc] = {acc_io[0]};
       int64_t k = k0;
       for (; k + kPairs * kStep <= k1; k += kPairs * kStep) {
-        const char* ahead = reinterpret_cast<const char*>(prefetch_at<1>(w, K, 0, k));
-        for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + l * kLineBytes);
+        if (prefetch) {
+          const char* ahead = reinterpret_cast<const char*>(prefetch_at<1>(w, K, 0, k));
+          for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + l * kLineBytes);
+        }
         for (int u = 0; u < kPairs; ++u) {
           vf p, q;
           load2(w + k + u * kStep, p, q);
@@ -199,8 +204,10 @@ struct Widen {
         x1[j] = load(x + j * x_stride + k + kLanes);
       }
       for (int i = 0; i < NR; ++i) {
-        const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, i, k));
-        for (int l = 0; l < kLinesPerStep; ++l) __builtin_prefetch(ahead + l * kLineBytes);
+        if (prefetch) {
+          const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, i, k));
+          for (int l = 0; l < kLinesPerStep; ++l) __builtin_prefetch(ahead + l * kLineBytes);
+        }
         vf p, q;
         load2(w + i * K + k, p, q);
         for (int j = 0; j < MR; ++j) {
@@ -228,6 +235,7 @@ struct Bf16Dot {
   template <int NR, int MR>
   static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const T* x,
                            int64_t x_stride, vf* acc_io) {
+    const bool prefetch = g_prefetch_bytes > 0;
     __m512 acc[NR][MR];
     for (int i = 0; i < NR; ++i)
       for (int j = 0; j < MR; ++j) acc[i][j] = (__m512)acc_io[i * MR + j];
@@ -235,7 +243,7 @@ struct Bf16Dot {
       __m512bh xv[MR];
       for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * x_stride + k);
       for (int i = 0; i < NR; ++i) {
-        __builtin_prefetch(prefetch_at<NR>(w, K, i, k));
+        if (prefetch) __builtin_prefetch(prefetch_at<NR>(w, K, i, k));
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * K + k);
         for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
       }
@@ -626,6 +634,13 @@ std::string linear_route(const at::Tensor& x, const at::Tensor& weight,
   return route_name(choose(x, weight, bias, nullptr));
 }
 
+// The software prefetch distance of one weight stream, bytes (0: none); a negative value only
+// reads it. Returns the distance in force.
+int64_t prefetch_bytes(int64_t bytes) {
+  if (bytes >= 0) g_prefetch_bytes = bytes;
+  return g_prefetch_bytes;
+}
+
 void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
                bool bf16_widened) {
   g_policy = Policy{f32_small_rows, bf16_small_rows, onednn, bf16_widened};
@@ -685,6 +700,7 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.def("onednn_rows(int rows) -> int", &onednn_rows);
   m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn, bool bf16_widened=False) -> ()",
         &configure);
+  m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
   m.def("set_packed(Tensor weight, Tensor packed) -> int", &set_packed);
   m.def("drop_packed(int key) -> ()", &drop_packed);
   m.def("num_packed() -> int", &num_packed);
