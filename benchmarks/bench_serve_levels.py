@@ -12,6 +12,15 @@ measured run), then the measured load. Results go to `<output-dir>/<name>.md` (a
     python benchmarks/bench_serve_levels.py --modes thread,process --rounds 3 \
         --name serve_levels_engine_core      # engine thread vs engine-core process
 
+`--llamacpp model.gguf` adds llama.cpp's own server (llama-cpp-python's `llama_cpp.server`,
+`pip install 'llama-cpp-python[server]'`) on the same weights in GGUF (benchmarks/
+gguf_convert.py), same thread count, under the same load: prompts sent as text (it takes no
+token ids), exact output lengths through min_tokens, repeat_penalty 1.0 (its default is 1.1),
+output tokens counted from its usage or, without one, by re-tokenizing the streamed text.
+
+    python benchmarks/bench_serve_levels.py --model ./qwen05b --llamacpp ./qwen05b.gguf \
+        --levels 0,2 --rounds 2 --name serve_vs_llamacpp
+
 `--modes`: where the engine runs (VLLM_ENABLE_MULTIPROCESSING): `thread` (in the API process)
 and/or `process` (an engine-core process). With `--rounds N` every (mode, level) server runs
 N times, the rounds interleaved (round 1 of every configuration, then round 2, ...), and the
@@ -78,6 +87,34 @@ def start_server(model: str, level: int, port: int, extra: list[str], log_path: 
     raise RuntimeError(f"-O{level} server not healthy after {timeout} s; see {log_path}")
 
 
+LLAMACPP = "llama.cpp"
+
+
+def start_llamacpp_server(gguf: str, port: int, threads: int, n_ctx: int, log_path: str,
+                          timeout: float) -> tuple[subprocess.Popen, float]:
+    """Start llama-cpp-python's OpenAI server on `gguf`; wait until /v1/models answers."""
+    import httpx
+
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+           "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+           "--n_ctx", str(n_ctx), "--model_alias", os.path.basename(gguf)]
+    log = open(log_path, "w")  # noqa: SIM115 - owned by the process
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}/v1/models"
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama.cpp server exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return proc, time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"llama.cpp server not ready after {timeout} s; see {log_path}")
+
+
 def stop_server(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -88,7 +125,7 @@ def stop_server(proc: subprocess.Popen) -> int:
 
 
 def bench_args(args: argparse.Namespace, port: int, num_prompts: int, label: str,
-               seed: int) -> argparse.Namespace:
+               seed: int, llamacpp: bool = False) -> argparse.Namespace:
     parser = add_cli_args(argparse.ArgumentParser())
     argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(num_prompts),
             "--random-input-len", str(args.input_len), "--random-output-len",
@@ -97,6 +134,9 @@ def bench_args(args: argparse.Namespace, port: int, num_prompts: int, label: str
             "--label", label, "--metric-percentiles", "50,90,99"]
     if args.max_concurrency:
         argv += ["--max-concurrency", str(args.max_concurrency)]
+    if llamacpp:  # same prompts as text, greedy without its default repeat penalty
+        argv += ["--tokenizer", args.model, "--text-prompts",
+                 "--extra-body", json.dumps({"repeat_penalty": 1.0})]
     return parser.parse_args(argv)
 
 
@@ -112,32 +152,45 @@ def startup_phases(port: int) -> dict[str, float]:
     return phases
 
 
-def run_level(args: argparse.Namespace, level: int, log_dir: str, mode: str | None = None,
-              round_index: int = 0) -> dict:
+def run_level(args: argparse.Namespace, level: int | str, log_dir: str,
+              mode: str | None = None, round_index: int = 0) -> dict:
+    """One server (a level of ours, or LLAMACPP: llama.cpp's server), warm-up, measured load."""
     port = free_port()
-    tag = f"{mode}-" if mode else ""
-    log_path = os.path.join(log_dir, f"serve_{tag}O{level}_r{round_index}.log")
-    print(f"{mode or 'default'} engine, -O{level} (round {round_index + 1}): starting the "
-          f"server (log: {log_path})", flush=True)
-    proc, startup_s = start_server(args.model, level, port, args.serve_arg, log_path,
-                                   args.startup_timeout, args.compile_cache == "on", mode)
+    llamacpp = level == LLAMACPP
+    name = LLAMACPP if llamacpp else f"O{level}"
+    tag = f"{mode}-" if mode and not llamacpp else ""
+    log_path = os.path.join(log_dir, f"serve_{tag}{name}_r{round_index}.log")
+    print(f"{'llama.cpp server' if llamacpp else (mode or 'default') + ' engine, ' + name} "
+          f"(round {round_index + 1}): starting the server (log: {log_path})", flush=True)
+    if llamacpp:
+        proc, startup_s = start_llamacpp_server(args.llamacpp, port, args.llamacpp_threads,
+                                                args.llamacpp_ctx, log_path,
+                                                args.startup_timeout)
+    else:
+        proc, startup_s = start_server(args.model, level, port, args.serve_arg, log_path,
+                                       args.startup_timeout, args.compile_cache == "on", mode)
     try:
-        print(f"-O{level}: healthy after {startup_s:.1f} s; warming up", flush=True)
+        print(f"{name}: ready after {startup_s:.1f} s; warming up", flush=True)
         warmup_s = 0.0
         if args.warmup_prompts:  # its duration: the load only, not the tokenizer loading
             warm = asyncio.run(run_benchmark(bench_args(args, port, args.warmup_prompts,
-                                                        f"O{level}-warmup",
-                                                        seed=args.seed + 1)))
+                                                        f"{name}-warmup", seed=args.seed + 1,
+                                                        llamacpp=llamacpp)))
             warmup_s = warm["duration_s"]
-        print(f"-O{level}: measuring {args.num_prompts} requests", flush=True)
-        result = asyncio.run(run_benchmark(bench_args(args, port, args.num_prompts,
-                                                      f"O{level}", seed=args.seed)))
-        phases = startup_phases(port)
+        print(f"{name}: measuring {args.num_prompts} requests", flush=True)
+        result = asyncio.run(run_benchmark(bench_args(args, port, args.num_prompts, name,
+                                                      seed=args.seed, llamacpp=llamacpp)))
+        phases = {} if llamacpp else startup_phases(port)
     finally:
         code = stop_server(proc)
-    result.update(level=level, mode=mode, round=round_index, startup_to_healthy_s=startup_s,
-                  warmup_s=warmup_s, startup_phases=phases, exit_code=code)
+    result.update(level=level, name=name, mode=None if llamacpp else mode, round=round_index,
+                  startup_to_healthy_s=startup_s, warmup_s=warmup_s, startup_phases=phases,
+                  exit_code=code)
     return result
+
+
+def _name(r: dict) -> str:
+    return r.get("name") or f"O{r['level']}"
 
 
 def median_rounds(rounds: list[dict]) -> dict:
@@ -167,14 +220,15 @@ def modes_markdown(results: list[dict], args: argparse.Namespace) -> str:
     for r in results:
         rounds = ", ".join(f"{x:.0f}" for x in r["rounds_output_throughput"])
         lines.append(
-            f"| {r['mode']} | O{r['level']} | {r['startup_to_healthy_s']:.1f} | "
+            f"| {r['mode'] or '-'} | {_name(r)} | {r['startup_to_healthy_s']:.1f} | "
             f"{r['output_throughput']:.1f} ({rounds}) | {r['request_throughput']:.2f} | "
             f"{r['median_ttft_ms']:.0f} / {r.get('p90_ttft_ms', 0):.0f} / "
             f"{r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.1f} / {r.get('p90_itl_ms', 0):.1f} "
             f"/ {r['p99_itl_ms']:.1f} | {r['mean_tpot_ms']:.1f} | {r['failed']} |")
     lines.append("")
-    modes = list(dict.fromkeys(r["mode"] for r in results))
-    levels = list(dict.fromkeys(r["level"] for r in results))
+    ours = [r for r in results if r["level"] != LLAMACPP]
+    modes = list(dict.fromkeys(r["mode"] for r in ours))
+    levels = list(dict.fromkeys(r["level"] for r in ours))
     base_level = levels[0]
     for mode in modes:
         for level in levels[1:]:
@@ -205,28 +259,49 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}; "
         f"{time.strftime('%Y-%m-%d %H:%M')}.", "",
         "| level | start-up to healthy (s) | engine phases (s) | warm-up (s) | req/s | "
-        "output tok/s | TTFT mean / median / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | failed |",
+        "output tok/s | TTFT mean / median / p99 (ms) | TPOT mean (ms) | ITL p50 / p99 (ms) | "
+        "failed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["startup_phases"].items()) or "-"
         lines.append(
-            f"| O{r['level']} | {r['startup_to_healthy_s']:.1f} | {phases} | "
+            f"| {_name(r)} | {r['startup_to_healthy_s']:.1f} | {phases} | "
             f"{r['warmup_s']:.1f} | {r['request_throughput']:.2f} | "
             f"{r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} / {r['median_ttft_ms']:.0f} / "
-            f"{r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} | {r['p99_itl_ms']:.1f} | "
+            f"{r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} | {r['median_itl_ms']:.1f} / "
+            f"{r['p99_itl_ms']:.1f} | "
             f"{r['failed']} |")
-    if len(results) >= 2:
-        base = results[0]
+    ours = [r for r in results if r["level"] != LLAMACPP]
+    if len(ours) >= 2:
+        base = ours[0]
         lines.append("")
-        for r in results[1:]:
+        for r in ours[1:]:
             speed = r["output_throughput"] / base["output_throughput"] \
                 if base["output_throughput"] else float("nan")
             start = r["startup_to_healthy_s"] / base["startup_to_healthy_s"]
-            lines.append(f"O{r['level']} vs O{base['level']}: output throughput x{speed:.2f}, "
+            lines.append(f"{_name(r)} vs {_name(base)}: output throughput x{speed:.2f}, "
                          f"start-up x{start:.2f}.")
     if args.note:
         lines += ["", args.note]
+    return "\n".join(lines) + "\n"
+
+
+def llamacpp_lines(results: list[dict]) -> str:
+    """Each of our configurations against llama.cpp's server (when it ran)."""
+    base = next((r for r in results if r["level"] == LLAMACPP), None)
+    if base is None:
+        return ""
+    lines = [""]
+    for r in results:
+        if r is base or not base["output_throughput"]:
+            continue
+        where = f"{r['mode']} " if r.get("mode") else ""
+        lines.append(
+            f"{where}{_name(r)} vs llama.cpp server: output throughput "
+            f"x{r['output_throughput'] / base['output_throughput']:.2f}, TTFT p50 "
+            f"{r['median_ttft_ms']:.0f} vs {base['median_ttft_ms']:.0f} ms, ITL p50 "
+            f"{r['median_itl_ms']:.1f} vs {base['median_itl_ms']:.1f} ms")
     return "\n".join(lines) + "\n"
 
 
@@ -258,6 +333,14 @@ def main() -> int:
                         "default, one table row per level.")
     parser.add_argument("--rounds", type=int, default=1,
                         help="Interleaved rounds per configuration (medians reported).")
+    parser.add_argument("--llamacpp", default=None, metavar="GGUF",
+                        help="Also serve these weights (GGUF) with llama.cpp's own server "
+                        "(llama-cpp-python) under the same load.")
+    parser.add_argument("--llamacpp-threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="llama.cpp's threads (default: the CPUs this process may use, "
+                        "as our server).")
+    parser.add_argument("--llamacpp-ctx", type=int, default=4096,
+                        help="llama.cpp's context size (n_ctx).")
     parser.add_argument("--log-dir", default=None,
                         help="Server logs (default: a new temporary folder).")
     args = parser.parse_args()
@@ -277,8 +360,13 @@ def main() -> int:
     bad = [m for m in modes if m is not None and m not in MODE_ENV]
     if bad:
         parser.error(f"--modes: unknown {bad}; use thread and/or process")
+    if args.llamacpp and not os.path.isfile(args.llamacpp):
+        parser.error(f"--llamacpp: no such GGUF file {args.llamacpp!r}")
     runs: dict[tuple, list[dict]] = {}
     for round_index in range(args.rounds):
+        if args.llamacpp:
+            runs.setdefault((None, LLAMACPP), []).append(
+                run_level(args, LLAMACPP, log_dir, None, round_index))
         for mode in modes:
             for level in levels:
                 runs.setdefault((mode, level), []).append(
@@ -290,6 +378,7 @@ def main() -> int:
         json.dump({"args": vars(args), "results": results,
                    "all_rounds": [r for rounds in runs.values() for r in rounds]}, f, indent=2)
     table = modes_markdown(results, args) if args.modes else markdown(results, args)
+    table += llamacpp_lines(results)
     with open(md_path, "w") as f:
         f.write(table)
     print(table)

@@ -46,3 +46,23 @@ def test_modes_table_ratios(bench):
     assert "thread: O2 vs O0 output throughput x1.10" in table
     assert "process: O2 vs O0 output throughput x2.00" in table
     assert "O2: process vs thread output throughput x2.18, ITL p50 x0.44" in table
+
+
+def test_llamacpp_server_row_and_ratios(bench):
+    """With --llamacpp, llama.cpp's server is a row of its own and every configuration of ours
+    is compared with it; our level ratios still use our first level as the base."""
+    args = argparse.Namespace(model="m", num_prompts=8, input_len=8, output_len=8,
+                              range_ratio=0.5, request_rate=float("inf"), max_concurrency=16,
+                              compile_cache="off", rounds=1, note=None)
+    llama = dict(_result(None, bench.LLAMACPP, 50.0, 20.0), name="llama.cpp",
+                 startup_phases={}, warmup_s=1.0, mean_ttft_ms=25)
+    ours = [dict(_result(None, level, tput, itl), startup_phases={}, warmup_s=1.0,
+                 mean_ttft_ms=25) for level, tput, itl in ((0, 80.0, 10.0), (2, 150.0, 5.0))]
+    results = [bench.median_rounds([r]) for r in [llama, *ours]]
+    table = bench.markdown(results, args) + bench.llamacpp_lines(results)
+    assert "| llama.cpp | 3.0 | - |" in table
+    assert "O2 vs O0: output throughput x1.88" in table
+    assert "O0 vs llama.cpp server: output throughput x1.60" in table
+    assert "O2 vs llama.cpp server: output throughput x3.00, TTFT p50 20 vs 20 ms, ITL p50 " \
+           "5.0 vs 20.0 ms" in table
+    assert "vs llama.cpp: output" not in table.split("llama.cpp server")[0]

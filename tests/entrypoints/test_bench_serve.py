@@ -5,6 +5,8 @@ import json
 
 import pytest
 from fake_engine import FakeEngine
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from server_utils import serve_in_thread
 
 from vllm.benchmarks.serve import RequestResult, summarize
@@ -80,3 +82,88 @@ def test_summarize_percentiles():
     assert s["p50_ttft_ms"] == pytest.approx(250.0)
     assert s["mean_tpot_ms"] == pytest.approx(100.0)
     assert s["p99_itl_ms"] == pytest.approx(100.0)
+
+
+# ---- servers that take only text and send no usage (llama.cpp's, llama-cpp-python) ---------
+
+@pytest.fixture(scope="module")
+def text_only_server():
+    """A stand-in for llama-cpp-python's server: text prompts only (token ids are a 422),
+    one streamed chunk per generated token, no usage, no ignore_eos (min_tokens instead)."""
+    app = FastAPI()
+    bodies: list[dict] = []
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": "x.gguf", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        bodies.append(body)
+        if not isinstance(body["prompt"], str):
+            return JSONResponse({"error": "prompt must be a string"}, status_code=422)
+        count = max(int(body.get("min_tokens", 0)), 1)  # stops "early" without min_tokens
+
+        def stream():
+            for i in range(count):
+                chunk = {"choices": [{"index": 0, "text": f" w{i % 7}"}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    with serve_in_thread(app) as base:
+        yield base, bodies
+
+
+def test_bench_serve_text_prompts_min_tokens_and_extra_body(text_only_server, tmp_path):
+    base, bodies = text_only_server
+    bodies.clear()
+    out = tmp_path / "r.json"
+    code = vllm_main(["bench", "serve", "--base-url", base, "--num-prompts", "5",
+                      "--random-input-len", "8", "--random-output-len", "6", "--ignore-eos",
+                      "--tokenizer", "vllm/demo_model", "--text-prompts",
+                      "--extra-body", '{"repeat_penalty": 1.0}', "--output-json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 5 and result["failed"] == 0
+    assert all(isinstance(b["prompt"], str) for b in bodies)
+    assert all(b["min_tokens"] == b["max_tokens"] == 6 and b["repeat_penalty"] == 1.0
+               for b in bodies)
+    # No usage: the streamed text re-tokenized with the tokenizer (" w0 w1 ..." is more than
+    # one token per word in the demo tokenizer, so the count is the tokenizer's, not chunks)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained("vllm/demo_model")
+    per_request = len(tok.encode("".join(f" w{i % 7}" for i in range(6)),
+                                 add_special_tokens=False))
+    assert result["total_output_tokens"] == 5 * per_request
+
+
+def test_bench_serve_counts_chunks_without_usage_or_tokenizer(text_only_server, tmp_path):
+    base, _ = text_only_server
+    out = tmp_path / "r.json"
+    code = vllm_main(["bench", "serve", "--base-url", base, "--num-prompts", "3",
+                      "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos",
+                      "--output-json", str(out)])
+    assert code == 0
+    assert json.loads(out.read_text())["total_output_tokens"] == 3 * 4
+
+
+def test_bench_serve_token_id_prompts_fail_on_a_text_only_server(text_only_server, tmp_path):
+    base, _ = text_only_server
+    out = tmp_path / "r.json"
+    vllm_main(["bench", "serve", "--base-url", base, "--num-prompts", "2",
+               "--random-input-len", "8", "--random-output-len", "4",
+               "--tokenizer", "vllm/demo_model", "--output-json", str(out)])
+    assert json.loads(out.read_text())["failed"] == 2
+
+
+def test_bench_serve_extra_body_must_be_an_object(url, capsys):
+    with pytest.raises(SystemExit) as exc:
+        vllm_main(["bench", "serve", "--base-url", url, "--num-prompts", "1",
+                   "--random-input-len", "4", "--random-output-len", "2",
+                   "--extra-body", "[1, 2]"])
+    assert exc.value.code == 2
+    assert "--extra-body must be a JSON object" in capsys.readouterr().err

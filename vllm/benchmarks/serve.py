@@ -55,7 +55,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="At most this many requests in flight.")
     parser.add_argument("--ignore-eos", action="store_true",
-                        help="Generate exactly the requested output lengths.")
+                        help="Generate exactly the requested output lengths (also sent as "
+                        "min_tokens, for servers without ignore_eos such as llama.cpp's).")
+    parser.add_argument("--extra-body", default=None,
+                        help="A JSON object merged into every request body, e.g. "
+                        "'{\"repeat_penalty\": 1.0}'.")
+    parser.add_argument("--text-prompts", action="store_true",
+                        help="Send prompts as text even when a tokenizer gives token ids (for "
+                        "servers that take only text).")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
@@ -85,6 +92,8 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""  # the streamed output (its length in tokens when the server sends no usage)
+    usage_seen: bool = False
 
 
 # ---- workload ----------------------------------------------------------------------------
@@ -164,6 +173,7 @@ async def send_request(client: Any, url: str, payload: dict, headers: dict,
                     piece = (choice.get("delta") or {}).get("content") if chat \
                         else choice.get("text")
                     if piece:
+                        result.text += piece
                         now = time.perf_counter()
                         if result.ttft == 0.0:
                             result.ttft = now - start
@@ -173,6 +183,7 @@ async def send_request(client: Any, url: str, payload: dict, headers: dict,
                 usage = chunk.get("usage")
                 if usage:
                     result.output_len = int(usage.get("completion_tokens") or 0)
+                    result.usage_seen = True
         result.latency = time.perf_counter() - start
         result.success = True
     except Exception as exc:  # noqa: BLE001 - reported per request
@@ -227,6 +238,18 @@ def summarize(results: list[RequestResult], duration: float, metrics: list[str],
     return summary
 
 
+def _extra_body(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body must be a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"--extra-body must be a JSON object, got {text!r}")
+    return body
+
+
 async def _resolve_model(client: Any, base: str, headers: dict) -> tuple[str, str | None]:
     resp = await client.get(f"{base}/v1/models", headers=headers)
     resp.raise_for_status()
@@ -256,7 +279,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"cannot query {base}/v1/models: {exc!r}") from None
         model = args.model or model
         tokenizer = load_tokenizer(args.tokenizer or root)
-        specs = sample_random_requests(args, tokenizer, as_text=chat)
+        specs = sample_random_requests(args, tokenizer,
+                                       as_text=chat or getattr(args, "text_prompts", False))
+        extra = _extra_body(getattr(args, "extra_body", None))
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         def payload(spec: RequestSpec) -> dict:
@@ -264,6 +289,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 "model": model, "max_tokens": spec.output_len, "temperature": args.temperature,
                 "stream": True, "stream_options": {"include_usage": True},
                 "ignore_eos": args.ignore_eos}
+            if args.ignore_eos:
+                body["min_tokens"] = spec.output_len
+            body.update(extra)
             if chat:
                 body["messages"] = [{"role": "user", "content": spec.prompt}]
             else:
@@ -284,6 +312,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(asyncio.create_task(one(spec)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    for r in results:  # servers that send no usage: count the streamed text's tokens
+        if r.success and not r.usage_seen:
+            r.output_len = (len(tokenizer.encode(r.text, add_special_tokens=False))
+                            if tokenizer is not None else len(r.itl) + (r.ttft > 0))
     summary = summarize(results, duration, metrics, pcts)
     summary.update(
         label=args.label, base_url=base, endpoint=endpoint, model=model,
