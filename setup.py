@@ -42,7 +42,7 @@ setup(
                  "matplotlib", "ray[default]"],
         "ray": ["ray[default]"],
         "cuda": ["triton"],
-        "bench": ["llama-cpp-python", "gguf"],
+        "bench": ["llama-cpp-python[server]", "gguf"],
     },
     entry_points={"console_scripts": ["vllm=vllm.entrypoints.cli.main:main"]},
 )

@@ -16,7 +16,7 @@ measured run), then the measured load. Results go to `<output-dir>/<name>.md` (a
 `pip install 'llama-cpp-python[server]'`) on the same weights in GGUF (benchmarks/
 gguf_convert.py), same thread count, under the same load: prompts sent as text (it takes no
 token ids), exact output lengths through min_tokens, repeat_penalty 1.0 (its default is 1.1),
-output tokens counted from its usage or, without one, by re-tokenizing the streamed text.
+output tokens counted from its usage or, without one, as its streamed chunks (one a token).
 
     python benchmarks/bench_serve_levels.py --model ./qwen05b --llamacpp ./qwen05b.gguf \
         --levels 0,2 --rounds 2 --name serve_vs_llamacpp

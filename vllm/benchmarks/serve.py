@@ -56,7 +56,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="At most this many requests in flight.")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="Generate exactly the requested output lengths (also sent as "
-                        "min_tokens, for servers without ignore_eos such as llama.cpp's).")
+                        "min_tokens, for servers without ignore_eos such as llama.cpp's). "
+                        "Output tokens are the server's usage counts, else its streamed chunks.")
     parser.add_argument("--extra-body", default=None,
                         help="A JSON object merged into every request body, e.g. "
                         "'{\"repeat_penalty\": 1.0}'.")
@@ -92,7 +93,8 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
-    text: str = ""  # the streamed output (its length in tokens when the server sends no usage)
+    text: str = ""  # the streamed output
+    chunks: int = 0  # token arrivals: the output length when the server sends no usage
     usage_seen: bool = False
 
 
@@ -172,8 +174,12 @@ async def send_request(client: Any, url: str, payload: dict, headers: dict,
                 for choice in chunk.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if chat \
                         else choice.get("text")
-                    if piece:
+                    # A token arrived: text, or a chunk before the end whose token decodes to
+                    # nothing yet (random weights, partial characters). A last chunk that
+                    # only carries the finish reason is not a token.
+                    if piece or (piece is not None and choice.get("finish_reason") is None):
                         result.text += piece
+                        result.chunks += 1
                         now = time.perf_counter()
                         if result.ttft == 0.0:
                             result.ttft = now - start
@@ -312,10 +318,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(asyncio.create_task(one(spec)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    for r in results:  # servers that send no usage: count the streamed text's tokens
+    for r in results:  # servers that send no usage (llama.cpp's): one chunk per token
         if r.success and not r.usage_seen:
-            r.output_len = (len(tokenizer.encode(r.text, add_special_tokens=False))
-                            if tokenizer is not None else len(r.itl) + (r.ttft > 0))
+            r.output_len = r.chunks
     summary = summarize(results, duration, metrics, pcts)
     summary.update(
         label=args.label, base_url=base, endpoint=endpoint, model=model,
