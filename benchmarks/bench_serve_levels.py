@@ -16,6 +16,8 @@ measured run), then the measured load. Results go to `<output-dir>/<name>.md` (a
 `pip install 'llama-cpp-python[server]'`) on the same weights in GGUF (benchmarks/
 gguf_convert.py), same thread count, under the same load: prompts sent as text (it takes no
 token ids), exact output lengths through min_tokens, repeat_penalty 1.0 (its default is 1.1),
+requests queued rather than interrupted (`--interrupt_requests False`: by default a new
+request ends the one streaming),
 output tokens counted from its usage or, without one, as its streamed chunks (one a token).
 
     python benchmarks/bench_serve_levels.py --model ./qwen05b --llamacpp ./qwen05b.gguf \
@@ -97,7 +99,10 @@ def start_llamacpp_server(gguf: str, port: int, threads: int, n_ctx: int, log_pa
 
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-           "--n_ctx", str(n_ctx), "--model_alias", os.path.basename(gguf)]
+           "--n_ctx", str(n_ctx), "--model_alias", os.path.basename(gguf),
+           # its default stops the streaming request whenever a new one arrives (each
+           # request of a concurrent load then ends after a token or two); queue them instead
+           "--interrupt_requests", "False"]
     log = open(log_path, "w")  # noqa: SIM115 - owned by the process
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -293,8 +298,13 @@ def llamacpp_lines(results: list[dict]) -> str:
     if base is None:
         return ""
     lines = [""]
-    for r in results:
-        if r is base or not base["output_throughput"]:
+    ours = [r for r in results if r is not base]
+    if ours and base["total_output_tokens"] < 0.95 * ours[0]["total_output_tokens"]:
+        lines.append(f"llama.cpp server generated {base['total_output_tokens']} of the "
+                     f"{ours[0]['total_output_tokens']} output tokens asked for: its figures "
+                     "below are not comparable.")
+    for r in ours:
+        if not base["output_throughput"]:
             continue
         where = f"{r['mode']} " if r.get("mode") else ""
         lines.append(

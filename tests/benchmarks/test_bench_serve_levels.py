@@ -22,6 +22,7 @@ def bench():
 
 def _result(mode: str, level: int, tput: float, itl: float = 5.0) -> dict:
     return {"mode": mode, "level": level, "output_throughput": tput, "request_throughput": 1.0,
+            "total_output_tokens": 256,
             "startup_to_healthy_s": 3.0, "median_ttft_ms": 20, "p90_ttft_ms": 30,
             "p99_ttft_ms": 40, "median_itl_ms": itl, "p90_itl_ms": itl, "p99_itl_ms": itl,
             "mean_tpot_ms": itl, "failed": 0}
@@ -66,3 +67,7 @@ def test_llamacpp_server_row_and_ratios(bench):
     assert "O2 vs llama.cpp server: output throughput x3.00, TTFT p50 20 vs 20 ms, ITL p50 " \
            "5.0 vs 20.0 ms" in table
     assert "vs llama.cpp: output" not in table.split("llama.cpp server")[0]
+    assert "not comparable" not in table
+    short = dict(llama, total_output_tokens=100)  # interrupted requests: fewer tokens
+    assert "generated 100 of the 256 output tokens asked for" in bench.llamacpp_lines(
+        [bench.median_rounds([short]), *results[1:]])
