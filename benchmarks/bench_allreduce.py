@@ -152,9 +152,12 @@ if __name__ == "__main__":
             t = time.perf_counter()
             llm.generate(prompts, p, use_tqdm=False)
             return time.perf_counter() - t
-        gen(2)
-        t1, tn = gen(1), gen(conf["tokens"])
-        out[str(batch)] = batch * (conf["tokens"] - 1) / max(tn - t1, 1e-9)
+        # A whole warm-up generation (the compiled ranges, the background weight prepacking
+        # of -O2), then the best of 3: one short run after gen(2) measured transients, not
+        # the transport (shm alone read 1.02x gloo; steady state 3.9x).
+        gen(conf["tokens"])
+        best = min(gen(conf["tokens"]) - gen(1) for _ in range(3))
+        out[str(batch)] = batch * (conf["tokens"] - 1) / max(best, 1e-9)
     print("RESULT " + json.dumps(out), flush=True)
 """
 

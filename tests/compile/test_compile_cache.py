@@ -69,6 +69,26 @@ def test_key_covers_the_gpu(monkeypatch, platform):
     assert len(keys) == 2
 
 
+def test_key_covers_how_the_tp_all_reduce_is_traced(monkeypatch):
+    """A TP graph traces either the shared-memory all-reduce op or torch's c10d collective:
+    the two must not share an entry (a gloo-traced graph loaded by a shared-memory run kept
+    gloo, TP=2 decode ~4x slower)."""
+    from vllm.distributed import parallel_state
+
+    cfg = config()
+    assert compute_cache_factors(cfg, [], "p")["tp_all_reduce"] == "none"  # no TP group
+    keys = {}
+    for shm, expected in ((object(), "shm"), (None, "c10d")):
+        group = parallel_state.GroupCoordinator(group=None, rank_in_group=0, world_size=2,
+                                                ranks=[0, 1])
+        group.shm_all_reduce = shm
+        monkeypatch.setattr(parallel_state, "_TP", group)
+        factors = compute_cache_factors(cfg, [], "p")
+        assert factors["tp_all_reduce"] == expected
+        keys[expected] = compute_cache_key(factors)
+    assert keys["shm"] != keys["c10d"]
+
+
 def test_directory_layout_and_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
     cache = CompileCache.for_model(config(), [], "p", rank=1)

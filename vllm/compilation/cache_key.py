@@ -85,6 +85,7 @@ def compute_cache_factors(vllm_config: VllmConfig, model_source_files: list[str]
         "machine": f"{platform.machine()}-{cpu_fingerprint()}",
         "accelerator": _accelerator(vllm_config),
         "pipeline_stage": _pipeline_stage(),
+        "tp_all_reduce": _tp_all_reduce(),
     }
 
 
@@ -95,6 +96,21 @@ def _pipeline_stage() -> str:
 
     group = get_pp_group()
     return f"{group.rank_in_group}/{group.world_size}"
+
+
+def _tp_all_reduce() -> str:
+    """How the tensor-parallel all-reduce is traced into the graph: "shm" (the shared-memory
+    op `vllm.all_reduce`, which the AllReduce+RMSNorm pass fuses), "c10d" (torch's functional
+    collective: gloo, NCCL), "none" without TP. A graph traced one way must not be loaded
+    where the group all-reduces the other way: a graph traced with VLLM_CPU_SHM_ALLREDUCE=0
+    (or by a rank that could not map the segment) and loaded by a shared-memory run kept gloo,
+    its TP=2 decode ~4x slower, with nothing said."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return "none"
+    return "shm" if group.shm_all_reduce is not None else "c10d"
 
 
 def _accelerator(vllm_config: VllmConfig) -> str:
