@@ -63,8 +63,6 @@ def start_server(model: str, level: int, port: int, extra: list[str], log_path: 
                  timeout: float, compile_cache: bool = True,
                  mode: str | None = None) -> tuple[subprocess.Popen, float]:
     """Start `vllm serve` and wait until /health answers; returns (process, seconds)."""
-    import httpx
-
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, f"-O{level}",
            "--port", str(port), "--disable-uvicorn-access-log", *extra]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -72,13 +70,22 @@ def start_server(model: str, level: int, port: int, extra: list[str], log_path: 
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if mode is not None:
         env["VLLM_ENABLE_MULTIPROCESSING"] = MODE_ENV[mode]
+    return _start_and_wait(cmd, env, f"http://127.0.0.1:{port}/health", f"-O{level} server",
+                           log_path, timeout)
+
+
+def _start_and_wait(cmd: list[str], env: dict | None, url: str, what: str, log_path: str,
+                    timeout: float) -> tuple[subprocess.Popen, float]:
+    """Start `cmd` (output to `log_path`) and wait until `url` answers 200; returns (process,
+    seconds)."""
+    import httpx
+
     log = open(log_path, "w")  # noqa: SIM115 - owned by the process
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}/health"
     while time.perf_counter() - start < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"-O{level} server exited with {proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log_path}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return proc, time.perf_counter() - start
@@ -86,7 +93,7 @@ def start_server(model: str, level: int, port: int, extra: list[str], log_path: 
             pass
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"-O{level} server not healthy after {timeout} s; see {log_path}")
+    raise RuntimeError(f"{what} not ready after {timeout} s; see {log_path}")
 
 
 LLAMACPP = "llama.cpp"
@@ -95,29 +102,14 @@ LLAMACPP = "llama.cpp"
 def start_llamacpp_server(gguf: str, port: int, threads: int, n_ctx: int, log_path: str,
                           timeout: float) -> tuple[subprocess.Popen, float]:
     """Start llama-cpp-python's OpenAI server on `gguf`; wait until /v1/models answers."""
-    import httpx
-
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
            "--n_ctx", str(n_ctx), "--model_alias", os.path.basename(gguf),
            # its default stops the streaming request whenever a new one arrives (each
            # request of a concurrent load then ends after a token or two); queue them instead
            "--interrupt_requests", "False"]
-    log = open(log_path, "w")  # noqa: SIM115 - owned by the process
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}/v1/models"
-    while time.perf_counter() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama.cpp server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return proc, time.perf_counter() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"llama.cpp server not ready after {timeout} s; see {log_path}")
+    return _start_and_wait(cmd, None, f"http://127.0.0.1:{port}/v1/models",
+                           "llama.cpp server", log_path, timeout)
 
 
 def stop_server(proc: subprocess.Popen) -> int:
