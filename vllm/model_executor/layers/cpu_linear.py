@@ -22,7 +22,8 @@ bfloat16 kernels for the CPU (below AVX-512): there that GEMM runs at a few GFLO
 slower than float32 from 64 rows on an AVX2 machine, made batch-16 bfloat16 serving 5x slower
 than llama.cpp), so the small-M kernel takes up to 48 rows and beyond that the weight is widened
 to float32 block by block for oneDNN ("widened"; `bf16_widened()`). Other products (other
-dtypes, other devices) keep `F.linear`, and so does traced code (torch.compile: Inductor lowers `F.linear` itself). The choice is made in C++
+dtypes, other devices) keep `F.linear`, and so does traced code (torch.compile: Inductor
+lowers `F.linear` itself). The choice is made in C++
 (`vllm_cpu_linear::linear`, csrc/cpu_small_m_linear.cpp: choosing in Python cost ~5 us a call),
 which also serves compiled models as an opaque op (`cpu_linear_op`) and computes with weights
 prepacked for oneDNN (cpu_prepacked_linear.py). The kernels are built at first use for the
@@ -71,10 +72,11 @@ def small_m_linear_available() -> bool:
     if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR"):
         return False
     if not _configured:
-        _configured = True
+        distance = prefetch_bytes()  # a bad VLLM_CPU_LINEAR_PREFETCH_BYTES stops here
         torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
                                             onednn_linear_enabled(), bf16_widened())
-        torch.ops.vllm_cpu_linear.prefetch_bytes(prefetch_bytes())
+        torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
+        _configured = True
     return True
 
 
@@ -85,7 +87,7 @@ _max_rows_cache: dict[torch.dtype, int] = {}
 # Software prefetch distance of the small-M kernel's weight stream, per ISA level the library
 # was built for (bytes; 0 = none, the hardware prefetchers alone). Measured on the two dev
 # machines: on the AVX-512 one (Zen 4) prefetching 4-16 KB ahead beat oneDNN's read rate and
-# 1 KB was ~10% slower; on the AVX2-only one (Zen 2 class) any software prefetch lowered the
+# 1 KB was ~10% slower; on the AVX2-only one (Zen 2/3) any software prefetch lowered the
 # read rate (one [4864, 896] float32 stream per thread: 19.5 GB/s without, 16.4 at 1 KB,
 # 14.7 at 4 KB; the kernel on the 0.5B shape's weights ~10% faster without).
 PREFETCH_BYTES = {"avx2": 0, "avx512": 8192, "avx512_bf16": 8192}
