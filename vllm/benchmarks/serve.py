@@ -93,7 +93,6 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
-    text: str = ""  # the streamed output
     chunks: int = 0  # token arrivals: the output length when the server sends no usage
     usage_seen: bool = False
 
@@ -178,7 +177,6 @@ async def send_request(client: Any, url: str, payload: dict, headers: dict,
                     # nothing yet (random weights, partial characters). A last chunk that
                     # only carries the finish reason is not a token.
                     if piece or (piece is not None and choice.get("finish_reason") is None):
-                        result.text += piece
                         result.chunks += 1
                         now = time.perf_counter()
                         if result.ttft == 0.0:

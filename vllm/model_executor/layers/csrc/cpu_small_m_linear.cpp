@@ -572,13 +572,15 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   const int64_t padded = onednn_rows(rows);
-  at::Tensor xf = at::zeros({padded, k}, x.options().dtype(at::kFloat));
+  at::Tensor xf = at::empty({padded, k}, x.options().dtype(at::kFloat));
   xf.narrow(0, 0, rows).copy_(x);
+  xf.narrow(0, rows, padded - rows).zero_();  // only the padding rows
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor bias_f = has_bias ? bias->to(at::kFloat) : at::Tensor();
-  const int64_t block = std::min<int64_t>(n, std::max<int64_t>(256, kWidenBlockFloats / std::max<int64_t>(k, 1) / 16 * 16));
+  const int64_t per_buffer = kWidenBlockFloats / std::max<int64_t>(k, 1) / 16 * 16;
+  const int64_t block = std::min<int64_t>(n, std::max<int64_t>(256, per_buffer));
   at::Tensor buffer = at::empty({block, k}, xf.options());
   const auto* w = weight.data_ptr<c10::BFloat16>();
   float* buf = buffer.data_ptr<float>();
@@ -698,8 +700,8 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.impl("linear", c10::DispatchKey::Meta, &linear_meta);
   m.def("linear_route(Tensor x, Tensor weight, Tensor? bias=None) -> str", &linear_route);
   m.def("onednn_rows(int rows) -> int", &onednn_rows);
-  m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn, bool bf16_widened=False) -> ()",
-        &configure);
+  m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn, "
+        "bool bf16_widened=False) -> ()", &configure);
   m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
   m.def("set_packed(Tensor weight, Tensor packed) -> int", &set_packed);
   m.def("drop_packed(int key) -> ()", &drop_packed);
