@@ -131,3 +131,40 @@ def test_timer_lives_outside_compilation(tmp_path):
     graph = import_graph()
     users = sorted(m for m, deps in graph.items() if "vllm.compilation.monitor" in deps)
     assert not users, f"import the timer from vllm.utils.startup_timer: {users}"
+
+
+def test_events_taken_from_a_workers_timer_become_rows_not_warm_up():
+    """Under Ray every rank is an actor: its compiles were timed in the actor's process and the
+    engine's table showed them as "warm-up". The executor now adds rank 0's events (taken from
+    its timer) inside the phase they happened in."""
+    from vllm.engine.executor import UniProcExecutor
+
+    worker_timer = StartupTimer()
+
+    class RemoteRankExecutor(UniProcExecutor):
+        def __init__(self):  # no worker of its own: rank 0 "lives elsewhere"
+            pass
+
+        def _call_all(self, method, *args):
+            if method == "compile_or_warm_up_model":
+                time.sleep(0.2)
+                worker_timer.record("inductor compilation", 0.15, piece=0)
+            return [4]
+
+        def _log_kv_cache(self):
+            pass
+
+        def _worker_startup_events(self):
+            return worker_timer.take_events()
+
+    timer = reset_startup_timer()
+    RemoteRankExecutor()._start("auto")
+    assert timer.seconds("inductor compilation") == 0.15
+    assert timer.count("inductor compilation") == 1
+    assert 0.04 < timer.seconds("warm-up") < 0.15, timer.as_dict()
+    assert worker_timer.take_events() == []  # taken once: a second call adds nothing
+    other = StartupTimer()
+    other.add_events([("graph loading", 0.5, {"piece": 1})])
+    assert other.as_dict()["phases"]["graph loading"]["events"] == [{"seconds": 0.5,
+                                                                     "piece": 1}]
+    reset_startup_timer()

@@ -193,6 +193,29 @@ def test_own_earlier_choice_is_not_the_users(monkeypatch):
     assert plan(current=1, default=4).explicit is False
 
 
+def test_ray_actor_plans_from_its_host_capped_by_rays_share():
+    # bench_pp's single-host cluster declared 7 CPUs on a 2-core machine: Ray's share for
+    # each of 2 ranks on the node was 3 (OMP_NUM_THREADS=3, read as the user's before).
+    share = {"OMP_NUM_THREADS": "3", ct.RAY_SHARE_ENV: "3:2:1"}
+    p = plan(world=4, rank=3, env=share, affinity=range(2), current=3, default=2)
+    assert (p.num_threads, p.explicit) == (1, False)
+    assert "shared by 2 ranks" in p.reason and "OMP_NUM_THREADS" not in p.reason
+    # A host with more cores than Ray gives the rank: Ray's share caps the count.
+    p = plan(world=2, rank=0, env={"OMP_NUM_THREADS": "2", ct.RAY_SHARE_ENV: "2:1:0"},
+             affinity=range(8), current=2, default=8)
+    assert p.num_threads == 2 and "capped at the 2 CPUs Ray gives this rank" in p.reason
+    # A bind list is still the user's choice inside an actor.
+    p = plan(world=2, rank=1, env={**share, ct.RAY_SHARE_ENV: "3:2:1",
+                                   "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, affinity=range(2))
+    assert (p.num_threads, p.bind_cpus, p.explicit) == (1, (1,), True)
+
+
+@pytest.mark.parametrize("value", ["3", "0:2:0", "2:2:2", "a:b:c"])
+def test_ray_share_bad(value):
+    with pytest.raises(ValueError, match=f"{ct.RAY_SHARE_ENV}={value!r}"):
+        plan(env={ct.RAY_SHARE_ENV: value})
+
+
 def test_bad_rank():
     with pytest.raises(ValueError, match="rank 2 of world size 2"):
         plan(world=2, rank=2)

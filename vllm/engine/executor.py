@@ -87,13 +87,22 @@ class UniProcExecutor(Executor):
         self._call_all("init_device")
         with timer.phase_around("weight loading", (CPU_KERNEL_BUILD,)):
             self._call_all("load_model", load_format)
+            timer.add_events(self._worker_startup_events())
         with timer.phase_around("kv cache allocation", nested):
             # Every rank must fit the cache: take the smallest.
             self.num_blocks = min(self._call_all("determine_num_blocks"))
             self._call_all("initialize_cache", self.num_blocks)
+            timer.add_events(self._worker_startup_events())
         self._log_kv_cache()
         with timer.phase_around("warm-up", nested):
             self._call_all("compile_or_warm_up_model")
+            timer.add_events(self._worker_startup_events())
+
+    def _worker_startup_events(self) -> list:
+        """Start-up events rank 0 recorded in another process since the last call (its
+        compiles, kernel builds, captures): none here, rank 0 records into this process's
+        timer."""
+        return []
 
     def _log_kv_cache(self) -> None:
         cc, sc = self.vllm_config.cache_config, self.vllm_config.scheduler_config

@@ -35,6 +35,7 @@ from vllm.engine.executor import (
 )
 from vllm.engine.worker import output_rank
 from vllm.logger import init_logger
+from vllm.utils.cpu_threads import RAY_SHARE_ENV
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +93,11 @@ class RayWorker:
 
     def kv_info(self) -> tuple[int, str]:
         return self.worker.block_bytes, self.worker.kv_source
+
+    def take_startup_events(self) -> list:
+        from vllm.utils.startup_timer import get_startup_timer
+
+        return get_startup_timer().take_events()
 
     def watch(self) -> None:
         """Returns when the executor stops: until then an answer means the actor died."""
@@ -193,13 +199,19 @@ class RayExecutor(UniProcExecutor):
         actor_cls = ray.remote(max_concurrency=2, **resource)(RayWorker)
         env = actor_env()
         threads = self._cpu_threads(bundle_nodes)
+        node_ranks = [bundle_nodes.get(b, "") for b in bundles]
         for rank, bundle in enumerate(bundles):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=bundle,
                 placement_group_capture_child_tasks=True)
             env_vars = dict(env)
             if threads and "OMP_NUM_THREADS" not in os.environ:
-                env_vars["OMP_NUM_THREADS"] = str(threads[bundle_nodes.get(bundle, "")])
+                node = node_ranks[rank]
+                # Ray would give a 1-CPU actor OMP_NUM_THREADS=1; the worker plans from its
+                # host's cores shared by the ranks on the node, capped by this share.
+                env_vars["OMP_NUM_THREADS"] = str(threads[node])
+                env_vars[RAY_SHARE_ENV] = (f"{threads[node]}:{node_ranks.count(node)}:"
+                                           f"{node_ranks[:rank].count(node)}")
             self._actors.append(actor_cls.options(
                 scheduling_strategy=strategy, name=f"vllm-{self._tag}-rank{rank}",
                 runtime_env={"env_vars": env_vars}).remote(self.vllm_config))
@@ -231,6 +243,11 @@ class RayExecutor(UniProcExecutor):
 
     def _kv_info(self) -> tuple[int, str]:
         return self._ray.get(self._actors[0].kv_info.remote())
+
+    def _worker_startup_events(self) -> list:
+        """Rank 0's actor records its compiles, kernel builds and captures in its own process:
+        they become rows of the engine's start-up table (not "warm-up")."""
+        return self._get_all([self._actors[0].take_startup_events.remote()], "start-up")[0]
 
     # ---- calls ------------------------------------------------------------------------
     def _node(self, rank: int) -> str:

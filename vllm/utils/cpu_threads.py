@@ -37,6 +37,10 @@ PROC_SELF_CGROUP = "/proc/self/cgroup"
 NUMA_ROOT = "/sys/devices/system/node"
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# Set by the Ray executor on each CPU actor, "<CPUs Ray gives the rank>:<ranks on its node>:
+# <its index there>": the OMP_NUM_THREADS Ray's actor sees is then ours (set so that Ray's own
+# default of 1 does not apply), a cap on the plan rather than the user's choice.
+RAY_SHARE_ENV = "VLLM_CPU_RAY_THREAD_SHARE"
 
 # ---------------------------------------------------------------------------------------
 # CPU lists and the bind setting
@@ -256,6 +260,8 @@ def plan_threads(world_size: int = 1, rank: int = 0, *, env=None,
     env = os.environ if env is None else env
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of world size {world_size} is not a valid rank")
+    if env.get(RAY_SHARE_ENV):
+        return _ray_actor_plan(env, affinity, cgroup_limit, nodes, topology)
     spec = parse_bind_spec(env.get(BIND_ENV), world_size)
     cpus = sorted(affinity) if affinity is not None else affinity_cpus()
     omp = _omp_num_threads(env)
@@ -315,6 +321,28 @@ def plan_threads(world_size: int = 1, rank: int = 0, *, env=None,
     if world_size > 1:
         why += f", shared by {world_size} ranks (tensor/pipeline parallel)"
     return ThreadPlan(threads, why, False, tuple(cpus), None)
+
+
+def _ray_actor_plan(env, affinity, cgroup_limit, nodes, topology) -> ThreadPlan:
+    """A Ray CPU actor's plan: this host's CPUs shared by the ranks on its node, capped by the
+    CPUs Ray gives the rank (a node may declare more CPUs than the host has cores)."""
+    raw = env[RAY_SHARE_ENV]
+    try:
+        allotted, ranks, index = (int(v) for v in raw.split(":"))
+        if allotted < 1 or ranks < 1 or not 0 <= index < ranks:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{RAY_SHARE_ENV}={raw!r} is not '<cpus>:<ranks>:<index>' (set by the "
+                         "Ray executor; unset it)") from None
+    local_env = {k: v for k, v in env.items() if k not in (RAY_SHARE_ENV, "OMP_NUM_THREADS")}
+    # current == default: a count torch took from our OMP_NUM_THREADS is not the user's.
+    plan = plan_threads(ranks, index, env=local_env, affinity=affinity,
+                        cgroup_limit=cgroup_limit, nodes=nodes, current_threads=0,
+                        default_threads=0, topology=topology)
+    if plan.explicit or plan.num_threads <= allotted:
+        return plan
+    return ThreadPlan(allotted, f"{plan.reason}; capped at the {allotted} CPUs Ray gives this "
+                      "rank", False, plan.usable_cpus, plan.bind_cpus)
 
 
 def torch_default_threads() -> int:

@@ -156,6 +156,18 @@ class StartupTimer:
                          f"{detail}".rstrip())
         return "\n".join(lines)
 
+    def take_events(self) -> list[tuple[str, float, dict[str, Any]]]:
+        """The events recorded so far, removed from this timer: a worker process hands its
+        phases (compiles, kernel builds, captures) to the engine's timer (`add_events`)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def add_events(self, events: list[tuple[str, float, dict[str, Any]]]) -> None:
+        """Record events another process's timer took (`take_events`)."""
+        for name, seconds, info in events:
+            self.record(name, seconds, **info)
+
     def reset(self) -> None:
         with self._lock:
             self._events.clear()
