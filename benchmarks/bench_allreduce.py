@@ -5,7 +5,11 @@
      gloo       torch.distributed.all_reduce over gloo (TCP loopback);
      shm        torch.ops.vllm.all_reduce through the shared-memory segment;
      shm+norm   shm, then the residual add + RMSNorm in torch (what the unfused graph runs);
-     fused      torch.ops.vllm.fused_all_reduce_rms_norm (all-reduce + add + RMSNorm, one pass).
+     fused      torch.ops.vllm.fused_all_reduce_rms_norm (all-reduce + add + RMSNorm, one pass);
+     chain      per step of a chain of 8 (all-reduce -> add + RMSNorm) compiled by Inductor,
+                which fuses the add and the norm into one generated kernel (what an unfused
+                -O2 graph runs; the compiled call's own overhead shared by 8 steps);
+     fchain     the same chain of 8 with the fused op (what the fusion pass makes of it).
    The methods interleave within each round (each `--iters` calls after a barrier); the result
    per method and size is the median over rounds of rank 0's mean per call, and ratios.
 2. End to end (`--e2e`): TP=2 greedy decode at -O2, batch 1 and 16, for
@@ -38,7 +42,8 @@ sys.path.insert(0, ROOT)
 
 HIDDENS = (896, 2048, 4096)
 TOKENS = (1, 4, 16)
-METHODS = ("gloo", "shm", "shm+norm", "fused")
+METHODS = ("gloo", "shm", "shm+norm", "fused", "chain", "fchain")
+CHAIN = 8
 
 
 def _free_port() -> int:
@@ -57,6 +62,7 @@ def _latency_rank(rank: int, world: int, init: str, args: dict, queue) -> None:
     from vllm.model_executor.kernels.fp8_ops import ref_rms_norm
 
     torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64  # a compiled chain per dtype and hidden size
     init_distributed_environment(world, rank, "gloo", init)
     initialize_model_parallel(world)
     tp = get_tp_group()
@@ -70,6 +76,21 @@ def _latency_rank(rank: int, world: int, init: str, args: dict, queue) -> None:
             dtype = dtypes[dtype_name]
             for hidden in HIDDENS:
                 weight = torch.ones(hidden, dtype=dtype)
+
+                def plain_chain(x, residual, weight):
+                    for _ in range(CHAIN):
+                        x, residual = ref_rms_norm(torch.ops.vllm.all_reduce(x, name), weight,
+                                                   1e-6, residual)
+                    return x, residual
+
+                def fused_chain(x, residual, weight):
+                    for _ in range(CHAIN):
+                        x, residual = torch.ops.vllm.fused_all_reduce_rms_norm(
+                            x, residual, weight, 1e-6, name)
+                    return x, residual
+
+                compiled_plain = torch.compile(plain_chain, dynamic=True)
+                compiled_fused = torch.compile(fused_chain, dynamic=True)
                 for tokens in TOKENS:
                     x = torch.randn(tokens, hidden).to(dtype)
                     residual = torch.randn(tokens, hidden).to(dtype)
@@ -88,7 +109,13 @@ def _latency_rank(rank: int, world: int, init: str, args: dict, queue) -> None:
                         torch.ops.vllm.fused_all_reduce_rms_norm(x, residual, weight, 1e-6,
                                                                  name)
 
-                    for method, fn in zip(METHODS, (gloo, shm, shm_norm, fused)):
+                    def chain(x, residual, weight):
+                        compiled_plain(x, residual, weight)
+
+                    def fchain(x, residual, weight):
+                        compiled_fused(x, residual, weight)
+
+                    for method, fn in zip(METHODS, (gloo, shm, shm_norm, fused, chain, fchain)):
                         for _ in range(3):
                             fn(x, residual, weight)
                         dist.barrier(group=tp.group)
@@ -96,6 +123,8 @@ def _latency_rank(rank: int, world: int, init: str, args: dict, queue) -> None:
                         for _ in range(args["iters"]):
                             fn(x, residual, weight)
                         per_call = (time.perf_counter() - start) / args["iters"] * 1e6
+                        if method in ("chain", "fchain"):
+                            per_call /= CHAIN
                         key = f"{dtype_name}|{hidden}|{tokens}|{method}"
                         results.setdefault(key, []).append(per_call)
     if rank == 0:
@@ -124,7 +153,8 @@ def latency(args) -> list[dict]:
                 rows.append({"dtype": dtype_name, "hidden": hidden, "tokens": tokens,
                              **{f"{m}_us": round(v, 2) for m, v in med.items()},
                              "gloo_over_shm": round(med["gloo"] / med["shm"], 2),
-                             "unfused_over_fused": round(med["shm+norm"] / med["fused"], 2)})
+                             "unfused_over_fused": round(med["shm+norm"] / med["fused"], 2),
+                             "chain_over_fchain": round(med["chain"] / med["fchain"], 2)})
     return rows
 
 
@@ -199,13 +229,18 @@ def write(args, lat: list[dict], end: list[dict]) -> None:
     lines = [f"# All-reduce: shared memory vs gloo ({meta['date']})", "",
              f"{args.rounds} round(s) x {args.iters} calls, 2 ranks, {os.cpu_count()} CPUs; "
              "median over rounds of rank 0's mean per call (us). "
-             "`unfused/fused`: (shm + torch add+RMSNorm) / fused op.", "",
+             "`eager/fused`: (shm + eager add+RMSNorm) / fused op. In compiled code (`chain`, "
+             f"`fchain`: per step of a chain of {CHAIN} compiled by Inductor), "
+             "`compiled/fused`: (shm + Inductor's add+RMSNorm kernel, the unfused -O2 graph) / "
+             "fused op (what the pass makes of it).", "",
              "| dtype | hidden | tokens | gloo | shm | shm+norm | fused | gloo/shm | "
-             "unfused/fused |", "|---|---|---|---|---|---|---|---|---|"]
+             "eager/fused | chain | fchain | compiled/fused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in lat:
         lines.append(f"| {r['dtype']} | {r['hidden']} | {r['tokens']} | {r['gloo_us']} | "
                      f"{r['shm_us']} | {r['shm+norm_us']} | {r['fused_us']} | "
-                     f"{r['gloo_over_shm']} | {r['unfused_over_fused']} |")
+                     f"{r['gloo_over_shm']} | {r['unfused_over_fused']} | {r['chain_us']} | "
+                     f"{r['fchain_us']} | {r['chain_over_fchain']} |")
     if end:
         lines += ["", f"## TP=2 decode, -O{args.level}, {args.model}, {args.tokens} tokens", "",
                   "| config | batch | decode tok/s | vs gloo | runs |", "|---|---|---|---|---|"]

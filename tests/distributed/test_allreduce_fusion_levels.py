@@ -1,6 +1,6 @@
-"""fuse_allreduce_rms on the CPU: on at -O2/-O3 with TP > 1 where the shared-memory all-reduce
-runs (mp executor, switch on), off at TP = 1, at -O0/-O1, with Ray or the switch off; an
-explicit value wins; the provenance names the platform and why."""
+"""fuse_allreduce_rms on the CPU: off at every level (inside compiled code the fused op measured
+slower than the shared-memory all-reduce plus Inductor's add + RMSNorm kernel), the provenance
+at -O2/-O3 naming the platform and the measurement; an explicit value wins."""
 from __future__ import annotations
 
 import pytest
@@ -18,13 +18,13 @@ def resolve(tp: int, level: int, backend: str | None = None, **flags) -> VllmCon
 
 
 @pytest.mark.parametrize("platform", ["cpu"], indirect=True)
-@pytest.mark.parametrize("level, expected", [(0, False), (1, False), (2, True), (3, True)])
-def test_on_at_o2_o3_with_tp2(platform, level, expected):
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_off_by_default_even_with_tp2(platform, level):
     config = resolve(2, level, "mp")
-    assert config.compilation_config.pass_config.fuse_allreduce_rms is expected
+    assert config.compilation_config.pass_config.fuse_allreduce_rms is False
     if level >= 2:
         prov = config.provenance[FLAG]
-        assert prov.label == "platform cpu" and "shared-memory all-reduce" in prov.reason
+        assert prov.label == "platform cpu" and "measured slower" in prov.reason
 
 
 @pytest.mark.parametrize("platform", ["cpu"], indirect=True)
@@ -45,5 +45,7 @@ def test_explicit_value_wins(platform):
     config = resolve(2, 2, "mp", fuse_allreduce_rms=False)
     assert config.compilation_config.pass_config.fuse_allreduce_rms is False
     assert config.provenance[FLAG].label == "user"
-    config = resolve(2, 1, "mp", fuse_allreduce_rms=True)
-    assert config.compilation_config.pass_config.fuse_allreduce_rms is True
+    for level in (1, 2, 3):
+        config = resolve(2, level, "mp", fuse_allreduce_rms=True)
+        assert config.compilation_config.pass_config.fuse_allreduce_rms is True
+        assert config.provenance[FLAG].label == "user"

@@ -31,15 +31,19 @@ _NO_GRAPHS = {"compilation_config": {
     "cudagraph_mode": Setting(CUDAGraphMode.NONE, "the CPU has no CUDA graphs", required=True),
 }}
 
-# O2: tensor-parallel ranks on one host all-reduce through shared memory
-# (vllm/distributed/shm_all_reduce.py), whose fused op also adds the residual and normalises
-# (and quantises) each reduced row: AllReduceFusionPass. Off with one rank, with the Ray
-# executor (ranks may be on other hosts: gloo) or VLLM_CPU_SHM_ALLREDUCE=0.
+# O2/O3: tensor-parallel ranks on one host all-reduce through shared memory
+# (vllm/distributed/shm_all_reduce.py), whose fused op can also add the residual and normalise
+# (and quantise) each reduced row (AllReduceFusionPass). Off by default here: inside compiled
+# code the shared-memory all-reduce followed by Inductor's generated add + RMSNorm kernel
+# measured faster than the fused op (1.0-1.6x, median 0.85x for the fusion; hidden 896-4096,
+# 1-16 tokens; benchmarks/results/allreduce_compiled.md), and TP=2 decode of the 0.5B shape
+# at -O2 0.97x / 0.95x with the fusion (batch 1 / 16; allreduce_qwen05b.md). Upstream too
+# fuses it only on CUDA (FlashInfer). `fuse_allreduce_rms=True` still turns it on.
 _ALLREDUCE_FUSION = {"compilation_config": {"pass_config": {
     "fuse_allreduce_rms": Setting(
-        enable_allreduce_rms_fusion,
-        "CPU: the shared-memory all-reduce adds the residual and normalises (and quantises) "
-        "in its pass over the reduced rows (TP > 1 on one host, VLLM_CPU_SHM_ALLREDUCE on; "
+        False,
+        "CPU: measured slower than the shared-memory all-reduce plus Inductor's fused "
+        "add + RMSNorm (0.61-1.00x inside compiled code, 0.95-0.97x end to end; "
         "benchmarks/bench_allreduce.py)"),
 }}}
 
