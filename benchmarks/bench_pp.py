@@ -8,9 +8,10 @@ round every engine, in turn, generates `--batch` greedy requests of `--tokens` t
 The layouts interleave round by round so that a shared machine's load hits them alike; the
 result per layout is the median over rounds, and its ratio to the first layout.
 
-Pipeline parallelism cuts each step's batch into micro-batches (VLLM_PP_MICRO_BATCHES,
-default one per stage) that flow through the stages within the step; the PP2-mb1 layout
-(VLLM_PP_MICRO_BATCHES=1 in its workers) runs the whole batch stage by stage, for comparison.
+Pipeline parallelism runs each step's whole batch stage by stage by default; with
+VLLM_PP_MICRO_BATCHES=N it cuts the batch into N micro-batches that flow through the stages
+within the step, so that the stages overlap: the PP2-mb2 layout (2 micro-batches in its
+workers) compares the two.
 
     python benchmarks/bench_pp.py                                # demo model, smoke size
     python benchmarks/bench_pp.py --model /path/qwen2.5-0.5b --batch 16 --tokens 64 --rounds 10
@@ -41,7 +42,7 @@ def main() -> int:
     parser.add_argument("--model", default="demo")
     parser.add_argument("--layout", action="append", default=None,
                         help="NAME=TPxPP[xMICRO_BATCHES], repeatable (default TP1=1x1 "
-                        "PP2=1x2 PP2-mb1=1x2x1 TP2=2x1).")
+                        "PP2=1x2 PP2-mb2=1x2x2 TP2=2x1).")
     parser.add_argument("--backend", default="ray", choices=["mp", "ray"])
     parser.add_argument("--level", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
@@ -49,7 +50,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="pp_decode")
     args = parser.parse_args()
-    layouts = [parse_layout(t) for t in args.layout or ["TP1=1x1", "PP2=1x2", "PP2-mb1=1x2x1",
+    layouts = [parse_layout(t) for t in args.layout or ["TP1=1x1", "PP2=1x2", "PP2-mb2=1x2x2",
                                                         "TP2=2x1"]]
     if args.backend == "mp" and sum(tp * pp > 1 for _, tp, pp, _ in layouts) > 1:
         parser.error("--backend mp: at most one multi-rank layout (rank 0 lives in this "
@@ -107,8 +108,8 @@ def main() -> int:
     lines = [f"# Decode tok/s by layout ({args.model}, -O{args.level}, {args.backend}, batch "
              f"{args.batch}, {args.tokens} tokens, {args.rounds} interleaved rounds, "
              f"{os.cpu_count()} CPUs)", "",
-             "PP cuts each step's batch into micro-batches (one per stage unless the layout "
-             "says: PP2-mb1 = the whole batch stage by stage).", "",
+             "PP runs each step's whole batch stage by stage unless the layout says "
+             "(PP2-mb2: the batch cut into 2 micro-batches that overlap in the stages).", "",
              "| layout | TP | PP | start-up s | decode tok/s (median) | vs first "
              "| greedy = first |",
              "|---|---|---|---|---|---|---|"]

@@ -172,10 +172,10 @@ def wait_pp_sends() -> None:
 def num_micro_batches(pp_size: int, num_reqs: int) -> int:
     """How many micro-batches a step's batch is cut into: VLLM_PP_MICRO_BATCHES if set (e.g.
     the stage count, so that the stages overlap), else 1 (the whole batch, stage by stage);
-    never more than requests. The default is measured: on the 2-core dev machine (demo model,
-    -O2, Ray, batch 16; benchmarks/results/pp.md) PP=2 decoded 1680 tok/s stage by stage
-    against 991 with one micro-batch per stage (TP=1: 1523): with one step in flight the
-    stages' overlap does not pay for the extra, smaller products and sends."""
+    never more than requests. The default is measured: on the 2-core dev machine (Qwen2.5-0.5B
+    shape in bfloat16, -O2, Ray, batch 16; benchmarks/results/pp_qwen05b.md) PP=2 decoded 21.0
+    tok/s stage by stage against 16.4 with two micro-batches (TP=1: 30.6): each micro-batch
+    reads the stage's weights again, which the stages' overlap does not pay for on one host."""
     from vllm import envs
 
     text = envs.VLLM_PP_MICRO_BATCHES
