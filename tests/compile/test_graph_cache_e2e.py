@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -68,6 +69,23 @@ CHILD = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return lazy_checkpoints(tmp_path_factory.mktemp("graph_cache"))
+
+
+@pytest.fixture(scope="module")
+def llama_cold(tmp_path_factory, checkpoints):
+    """One cold -O2 start of the llama checkpoint for the module (a cold compile is a third of
+    each test's time): each test copies its cache root (`cold_copy`)."""
+    base = tmp_path_factory.mktemp("llama_cold")
+    cold, log = run(base, checkpoints("llama"))
+    return base, cold, log
+
+
+def cold_copy(tmp_path, llama_cold) -> tuple[dict, str]:
+    """The module's cold start as if it had run in `tmp_path`: its cache root copied there
+    (the test damages its own copy) and its log naming the copy."""
+    base, cold, log = llama_cold
+    shutil.copytree(base / "root", tmp_path / "root")
+    return cold, log.replace(str(base / "root"), str(tmp_path / "root"))
 
 
 def run(tmp_path, model: str, env: dict | None = None, **options) -> tuple[dict, str]:
@@ -148,9 +166,10 @@ def test_tensor_parallel_ranks_keep_their_own_graphs(tmp_path, checkpoints):
 
 
 @pytest.mark.slow
-def test_damaged_or_deleted_graph_falls_back_to_dynamo_and_dtype_misses(tmp_path, checkpoints):
+def test_damaged_or_deleted_graph_falls_back_to_dynamo_and_dtype_misses(tmp_path, checkpoints,
+                                                                        llama_cold):
     path = checkpoints("llama")
-    cold, cold_log = run(tmp_path, path)
+    cold, cold_log = cold_copy(tmp_path, llama_cold)
     graph = os.path.join(cache_dir_in(cold_log), GRAPH_ENTRY)
 
     # One byte flipped: the checksum catches it; Dynamo traces, the pieces still load, and
@@ -193,13 +212,13 @@ def _light_entries(directory: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_damaged_light_kernel_is_caught_and_the_next_start_runs_without_inductor(
-        tmp_path, checkpoints):
+        tmp_path, checkpoints, llama_cold):
     """The cold start describes every piece for loading without Inductor, its kernels copied
     under their checksums. A copy damaged on disk is caught before it is loaded: counted,
     the pieces using it load the full way (the same tokens), and are described again, so
     the start after that runs without Inductor again."""
     path = checkpoints("llama")
-    cold, cold_log = run(tmp_path, path)
+    cold, cold_log = cold_copy(tmp_path, llama_cold)
     directory = cache_dir_in(cold_log)
     entries = _light_entries(directory)
     assert len(entries) == NUM_PIECES, cold_log[-3000:]
@@ -223,14 +242,15 @@ def test_a_damaged_light_kernel_is_caught_and_the_next_start_runs_without_induct
 
 
 @pytest.mark.slow
-def test_damaged_kernels_everywhere_fall_back_and_the_table_still_adds_up(tmp_path, checkpoints):
+def test_damaged_kernels_everywhere_fall_back_and_the_table_still_adds_up(tmp_path, checkpoints,
+                                                                          llama_cold):
     """Every light kernel and every kernel Inductor built, damaged: the warm start's graph
     load fails at the first piece, Dynamo traces, that piece is recompiled and the rest load.
     The start-up table counts the failed attempt once: its phases add up to the wall time
     (the failed graph load used to include the piece rows, 10-13% over), and the piece whose
     load failed is no "hit"."""
     path = checkpoints("llama")
-    cold, cold_log = run(tmp_path, path)
+    cold, cold_log = cold_copy(tmp_path, llama_cold)
     directory = cache_dir_in(cold_log)
     for name in os.listdir(os.path.join(directory, "light_kernels")):
         open(os.path.join(directory, "light_kernels", name), "w").close()
