@@ -109,11 +109,11 @@ def _latency_rank(rank: int, world: int, init: str, args: dict, queue) -> None:
                         torch.ops.vllm.fused_all_reduce_rms_norm(x, residual, weight, 1e-6,
                                                                  name)
 
-                    def chain(x, residual, weight):
-                        compiled_plain(x, residual, weight)
+                    def chain(x, residual, weight, compiled=compiled_plain):
+                        compiled(x, residual, weight)
 
-                    def fchain(x, residual, weight):
-                        compiled_fused(x, residual, weight)
+                    def fchain(x, residual, weight, compiled=compiled_fused):
+                        compiled(x, residual, weight)
 
                     for method, fn in zip(METHODS, (gloo, shm, shm_norm, fused, chain, fchain)):
                         for _ in range(3):

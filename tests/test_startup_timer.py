@@ -146,9 +146,11 @@ def test_events_taken_from_a_workers_timer_become_rows_not_warm_up():
             pass
 
         def _call_all(self, method, *args):
-            if method == "compile_or_warm_up_model":
+            if method == "compile_or_warm_up_model":  # the whole call is the compile
+                start = time.perf_counter()
                 time.sleep(0.2)
-                worker_timer.record("inductor compilation", 0.15, piece=0)
+                worker_timer.record("inductor compilation", time.perf_counter() - start,
+                                    piece=0)
             return [4]
 
         def _log_kv_cache(self):
@@ -159,9 +161,10 @@ def test_events_taken_from_a_workers_timer_become_rows_not_warm_up():
 
     timer = reset_startup_timer()
     RemoteRankExecutor()._start("auto")
-    assert timer.seconds("inductor compilation") == 0.15
+    assert timer.seconds("inductor compilation") >= 0.2
     assert timer.count("inductor compilation") == 1
-    assert 0.04 < timer.seconds("warm-up") < 0.15, timer.as_dict()
+    # (counted as warm-up before: >= 0.2 s; now only the call around the compile)
+    assert timer.seconds("warm-up") < 0.1, timer.as_dict()
     assert worker_timer.take_events() == []  # taken once: a second call adds nothing
     other = StartupTimer()
     other.add_events([("graph loading", 0.5, {"piece": 1})])

@@ -8,7 +8,6 @@ from vllm.config.levels import (
     OptimizationLevel,
     Setting,
     enable_act_fusion,
-    enable_allreduce_rms_fusion,
     enable_attn_fusion,
     enable_norm_fusion,
     every_level,

@@ -7,8 +7,8 @@ Add a command by writing `vllm/entrypoints/cli/<name>.py` with those two functio
 here; keep heavy imports (torch, servers) inside `run` so `vllm --help` stays fast.
 
 Errors: bad flags, a bad `--config` file and a `ValueError` raised by `run` (config resolution:
-contradictory or invalid settings) print one line `vllm <command>: error: <message>` on stderr and exit with
-code 2, without a traceback.
+contradictory or invalid settings) print one line `vllm <command>: error: <message>` on stderr
+and exit with code 2, without a traceback.
 """
 from __future__ import annotations
 
