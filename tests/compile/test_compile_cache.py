@@ -78,15 +78,17 @@ def test_key_covers_how_the_tp_all_reduce_is_traced(monkeypatch):
     cfg = config()
     assert compute_cache_factors(cfg, [], "p")["tp_all_reduce"] == "none"  # no TP group
     keys = {}
-    for shm, expected in ((object(), "shm"), (None, "c10d")):
+    for shm, flashinfer, expected in ((object(), None, "shm"), (None, object(), "flashinfer"),
+                                      (None, None, "c10d")):
         group = parallel_state.GroupCoordinator(group=None, rank_in_group=0, world_size=2,
                                                 ranks=[0, 1])
         group.shm_all_reduce = shm
+        group.flashinfer_all_reduce = flashinfer
         monkeypatch.setattr(parallel_state, "_TP", group)
         factors = compute_cache_factors(cfg, [], "p")
         assert factors["tp_all_reduce"] == expected
         keys[expected] = compute_cache_key(factors)
-    assert keys["shm"] != keys["c10d"]
+    assert len(set(keys.values())) == 3
 
 
 def test_directory_layout_and_overrides(tmp_path, monkeypatch):

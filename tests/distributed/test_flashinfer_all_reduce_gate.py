@@ -9,14 +9,9 @@ import torch
 from vllm.distributed import flashinfer_all_reduce as fi
 
 
-@pytest.fixture
-def routed(monkeypatch):
-    monkeypatch.setattr(fi, "ROUTED", True)
-
-
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0), (10, 3)])
-def test_supported_where_upstream_enables_it(routed, world, capability):
+def test_supported_where_upstream_enables_it(world, capability):
     ok, why = fi.fusion_supported(world, capability, flashinfer_present=True)
     assert ok, why
 
@@ -30,14 +25,9 @@ def test_supported_where_upstream_enables_it(routed, world, capability):
     (2, (9, 0), False, "not installed"),
     (2, None, True, "compute capability None"),
 ])
-def test_refused_elsewhere(routed, world, capability, present, reason):
+def test_refused_elsewhere(world, capability, present, reason):
     ok, why = fi.fusion_supported(world, capability, flashinfer_present=present)
     assert not ok and reason in why
-
-
-def test_not_claimed_until_routed():
-    ok, why = fi.fusion_supported(2, (9, 0), flashinfer_present=True)
-    assert not ok and "not routed" in why
 
 
 def test_size_limit_in_tokens():

@@ -66,7 +66,7 @@ def _sums(rank):
         get_tp_group,
         tensor_model_parallel_all_reduce,
     )
-    from vllm.distributed.shm_all_reduce import reference_rms_norm
+    from vllm.distributed.all_reduce_ops import reference_rms_norm
 
     tp = get_tp_group()
     comm = tp.shm_all_reduce

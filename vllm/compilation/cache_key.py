@@ -99,9 +99,10 @@ def _pipeline_stage() -> str:
 
 
 def _tp_all_reduce() -> str:
-    """How the tensor-parallel all-reduce is traced into the graph: "shm" (the shared-memory
-    op `vllm.all_reduce`, which the AllReduce+RMSNorm pass fuses), "c10d" (torch's functional
-    collective: gloo, NCCL), "none" without TP. A graph traced one way must not be loaded
+    """How the tensor-parallel all-reduce is traced into the graph: "shm" / "flashinfer" (the
+    op `vllm.all_reduce`, which the AllReduce+RMSNorm pass fuses, backed by the CPU's shared
+    memory / FlashInfer's workspace on CUDA), "c10d" (torch's functional collective: gloo,
+    NCCL), "none" without TP. A graph traced one way must not be loaded
     where the group all-reduces the other way: a graph traced with VLLM_CPU_SHM_ALLREDUCE=0
     (or by a rank that could not map the segment) and loaded by a shared-memory run kept gloo,
     its TP=2 decode ~4x slower, with nothing said."""
@@ -110,7 +111,9 @@ def _tp_all_reduce() -> str:
     group = get_tp_group()
     if group.world_size == 1:
         return "none"
-    return "shm" if group.shm_all_reduce is not None else "c10d"
+    if group.shm_all_reduce is not None:
+        return "shm"
+    return "flashinfer" if group.flashinfer_all_reduce is not None else "c10d"
 
 
 def _accelerator(vllm_config: VllmConfig) -> str:

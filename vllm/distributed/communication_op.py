@@ -7,9 +7,9 @@ graph. The ops are called directly, not through the Python API in
 through a `torch.library.custom_op`, whose first call imports Dynamo (~0.8 s of a start-up,
 also at -O0 and on a warm start that loads the compiled pieces without it).
 
-A group whose ranks share one host (CPU) all-reduces through shared memory instead:
-`torch.ops.vllm.all_reduce` (vllm/distributed/shm_all_reduce.py), the op the
-AllReduce+RMSNorm fusion pass matches.
+A group with a fusable all-reduce (ranks sharing one host on the CPU: shared memory; CUDA with
+FlashInfer's fused all-reduce set up) calls `torch.ops.vllm.all_reduce` instead
+(vllm/distributed/all_reduce_ops.py), the op the AllReduce+RMSNorm fusion pass matches.
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     tp = get_tp_group()
     if tp.world_size == 1:
         return x
-    if tp.shm_all_reduce is not None:
+    if tp.all_reduce_is_fusable:
+        import vllm.distributed.all_reduce_ops  # noqa: F401  (defines the op)
+
         return torch.ops.vllm.all_reduce(x, tp.group.group_name)
     ops = torch.ops._c10d_functional
     return ops.wait_tensor(ops.all_reduce(x, "sum", tp.group.group_name))

@@ -23,6 +23,16 @@ class GroupCoordinator:
     shm_all_reduce: Any = None
     """The group's shared-memory all-reduce (vllm/distributed/shm_all_reduce.py), when all its
     ranks are on one host and the CPU path is on; None: torch.distributed's all-reduce."""
+    flashinfer_all_reduce: Any = None
+    """The group's FlashInfer fused all-reduce workspace (vllm/distributed/
+    flashinfer_all_reduce.py), when the AllReduce+RMSNorm fusion is on and CUDA can serve it."""
+
+    @property
+    def all_reduce_is_fusable(self) -> bool:
+        """Whether the group's all-reduce is emitted as `torch.ops.vllm.all_reduce`, the op the
+        AllReduce+RMSNorm pass matches (vllm/distributed/all_reduce_ops.py)."""
+        return self.world_size > 1 and self.group is not None and (
+            self.shm_all_reduce is not None or self.flashinfer_all_reduce is not None)
 
     @property
     def is_first_rank(self) -> bool:
@@ -101,6 +111,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if rank in ranks:
             _PP = GroupCoordinator(group=group, rank_in_group=ranks.index(rank), world_size=pp,
                                    ranks=ranks, backend=str(backend))
+    if tp > 1:
+        import vllm.distributed.all_reduce_ops  # noqa: F401  (the group's graph ops)
     if _TP is not None and _TP.world_size > 1 and str(backend) == "gloo":
         # Ranks of one host all-reduce through shared memory (collective over the TP group).
         from vllm.distributed.shm_all_reduce import init_shm_all_reduce
@@ -150,6 +162,14 @@ def destroy_model_parallel() -> None:
         from vllm.distributed.shm_all_reduce import destroy_shm_all_reduce
 
         destroy_shm_all_reduce(_TP.group.group_name)
+    if _TP is not None and _TP.flashinfer_all_reduce is not None:
+        from vllm.distributed.flashinfer_all_reduce import destroy_flashinfer_all_reduce
+
+        destroy_flashinfer_all_reduce(_TP.group.group_name)
+    if _TP is not None and _TP.flashinfer_all_reduce is not None:
+        from vllm.distributed.flashinfer_all_reduce import destroy_flashinfer_all_reduce
+
+        destroy_flashinfer_all_reduce(_TP.group.group_name)
     _TP = None
     _PP = None
 

@@ -14,13 +14,11 @@ a rank that dies leaves nothing behind in /dev/shm, and a clean shutdown unmaps 
 (`destroy_shm_all_reduce`). Any failure on any rank (no compiler, not enough /dev/shm, ranks
 on different hosts, `VLLM_CPU_SHM_ALLREDUCE=0`) makes every rank keep gloo.
 
-In graphs the all-reduce is the op `torch.ops.vllm.all_reduce(x, group_name)`: the shared
-memory for tensors up to `VLLM_SHM_ALLREDUCE_MAX_BYTES` (default 4 MiB, the slot size) of
-float32 / bfloat16 / float16, gloo beyond (all ranks decide alike: the size is the same on
-every rank). The AllReduce+RMSNorm fusion pass replaces all-reduce -> (residual add) ->
-RMSNorm [-> static FP8 quant] with `torch.ops.vllm.fused_all_reduce_rms_norm[_static_fp8_quant]`,
-which sums, adds the residual, normalises and quantises each row in one pass over the
-reduced data.
+Graphs call it through `torch.ops.vllm.all_reduce` (vllm/distributed/all_reduce_ops.py), for
+tensors up to `VLLM_SHM_ALLREDUCE_MAX_BYTES` (default 4 MiB, the slot size) of float32 /
+bfloat16 / float16, gloo beyond (all ranks decide alike: the size is the same on every rank);
+the kernel's fused entry also adds the residual, normalises and quantises each row in one
+pass over the reduced data (the AllReduce+RMSNorm fusion's CPU op).
 
 A waiting rank spins a few microseconds, then yields, then sleeps with a growing back-off
 (never burning a core on a slow peer); it raises when a peer process exited, or after
@@ -32,7 +30,6 @@ import contextlib
 import os
 import secrets
 import socket
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,108 +192,11 @@ def destroy_shm_all_reduce(group_name: str | None = None) -> None:
             comm.close()
 
 
-# ---- the graph ops ---------------------------------------------------------------------------
-_pattern_tracing = False
+def get_shm_all_reduce(group_name: str) -> ShmAllReduce | None:
+    """The group's segment, when it has one."""
+    return _COMMS.get(group_name)
 
 
-@contextlib.contextmanager
-def pattern_tracing() -> Iterator[None]:
-    """Within the block the ops compute locally (no communication): fusion patterns are
-    traced by running them on example tensors."""
-    global _pattern_tracing
-    previous, _pattern_tracing = _pattern_tracing, True
-    try:
-        yield
-    finally:
-        _pattern_tracing = previous
-
-
-def _group(group_name: str) -> Any:
-    group = _GROUPS.get(group_name)
-    if group is None:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group_name)
-    return group
-
-
-def _gloo_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    import torch.distributed as dist
-
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=_group(group_name))
-    return out
-
-
-def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of `x` over the group: through shared memory when the group has a segment and `x`
-    fits, else gloo."""
-    comm = _COMMS.get(group_name)
-    if comm is not None and comm.usable(x):
-        return torch.ops.vllm_shm_ar.all_reduce(x, comm.handle)
-    if _pattern_tracing:
-        return x.clone()
-    return _gloo_all_reduce(x, group_name)
-
-
-def reference_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None,
-                       weight: torch.Tensor, epsilon: float, scale: torch.Tensor | None):
-    """RMSNorm.forward_native (+ static FP8 quant) on the reduced tensor: (out, residual_out),
-    residual_out being the reduced tensor itself without a residual."""
-    from vllm.model_executor.kernels.fp8_ops import ref_rms_norm, ref_static_quant
-
-    if residual is not None:
-        y, res = ref_rms_norm(reduced, weight, epsilon, residual)
-    else:
-        y, res = ref_rms_norm(reduced, weight, epsilon), reduced
-    if scale is not None:
-        y = ref_static_quant(y, scale)
-    return y, res
-
-
-def fused_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
-                              weight: torch.Tensor, epsilon: float, group_name: str,
-                              scale: torch.Tensor | None = None):
-    comm = _COMMS.get(group_name)
-    if comm is not None and comm.usable(x) and weight.dtype == x.dtype and (
-            residual is None or residual.dtype == x.dtype):
-        return torch.ops.vllm_shm_ar.all_reduce_rms_norm(x, residual, weight, epsilon, scale,
-                                                         comm.handle)
-    reduced = x.clone() if _pattern_tracing else _gloo_all_reduce(x, group_name)
-    return reference_rms_norm(reduced, residual, weight, epsilon, scale)
-
-
-def _fused_plain(x, residual, weight, epsilon, group_name):
-    return fused_all_reduce_rms_norm(x, residual, weight, epsilon, group_name)
-
-
-def _fused_quant(x, residual, weight, scale, epsilon, group_name):
-    return fused_all_reduce_rms_norm(x, residual, weight, epsilon, group_name, scale)
-
-
-def _fake_all_reduce(x, group_name):
-    return torch.empty_like(x)
-
-
-def _fake_fused_plain(x, residual, weight, epsilon, group_name):
-    return torch.empty_like(x), torch.empty_like(x)
-
-
-def _fake_fused_quant(x, residual, weight, scale, epsilon, group_name):
-    return torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(x)
-
-
-# A library fragment rather than torch.library.custom_op (whose per-call wrapper costs ~9 us,
-# as much as the shared-memory all-reduce of a decode step itself).
-_lib = torch.library.Library("vllm", "FRAGMENT")  # noqa: TOR901
-_lib.define("all_reduce(Tensor x, str group_name) -> Tensor")
-_lib.define("fused_all_reduce_rms_norm(Tensor x, Tensor? residual, Tensor weight, "
-            "float epsilon, str group_name) -> (Tensor, Tensor)")
-_lib.define("fused_all_reduce_rms_norm_static_fp8_quant(Tensor x, Tensor? residual, "
-            "Tensor weight, Tensor scale, float epsilon, str group_name) -> (Tensor, Tensor)")
-for _name, _impl, _fake in (("all_reduce", all_reduce, _fake_all_reduce),
-                            ("fused_all_reduce_rms_norm", _fused_plain, _fake_fused_plain),
-                            ("fused_all_reduce_rms_norm_static_fp8_quant", _fused_quant,
-                             _fake_fused_quant)):
-    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"vllm::{_name}", _fake, lib=_lib)
+def get_group(group_name: str) -> Any:
+    """The process group registered at set-up under `group_name` (None if none)."""
+    return _GROUPS.get(group_name)

@@ -129,6 +129,14 @@ class Worker:
                                      self.distributed_init_method, self.local_rank)
         pc = self.vllm_config.parallel_config
         initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        if self.device.type == "cuda":
+            # With the AllReduce+RMSNorm fusion on, the TP group's FlashInfer workspace
+            # (collective; None when FlashInfer cannot serve it).
+            from vllm.distributed import get_tp_group
+            from vllm.distributed.flashinfer_all_reduce import init_flashinfer_all_reduce
+
+            tp = get_tp_group()
+            tp.flashinfer_all_reduce = init_flashinfer_all_reduce(tp, self.vllm_config)
 
     def _init_cpu_threads(self) -> None:
         """Intra-op threads from the CPUs this rank may use (affinity, cgroup quota, its share

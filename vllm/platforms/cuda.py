@@ -75,9 +75,8 @@ class CudaPlatform(Platform):
 
     def supports_allreduce_rms_fusion(self, vllm_config: VllmConfig) -> bool:
         # The fused kernel (FlashInfer / TRT-LLM all-reduce) exists for Hopper and datacenter
-        # Blackwell, 2/4/8 ranks; a simulated platform without a GPU reports it unsupported.
-        # The CUDA all-reduce is not routed through the op the pass matches yet
-        # (vllm/distributed/flashinfer_all_reduce.py): the level must not claim the fusion.
+        # Blackwell, 2/4/8 ranks, FlashInfer installed (vllm/distributed/
+        # flashinfer_all_reduce.py); a simulated platform without a GPU reports it unsupported.
         from vllm.compilation.passes.pass_manager import has_pass
         from vllm.distributed.flashinfer_all_reduce import fusion_supported
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import vllm.distributed.all_reduce_ops  # noqa: F401  (the graph ops)
 from tests.compile.passes.fp8_fusion_utils import QUANT_OPS, assert_fp8_close, compile_with_passes
 from vllm.compilation.passes.fusion.allreduce_rms_fusion import AllReduceFusionPass
 from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config

@@ -105,10 +105,12 @@ def test_fusion_without_model_registers_every_scheme(flag):
 
 
 @pytest.mark.parametrize("platform", ["cuda"], indirect=True)
-def test_allreduce_fusion_is_not_claimed_on_cuda(caplog, monkeypatch, platform):
-    """fuse_allreduce_rms has a pass (AllReduceFusionPass; with one rank it registers and
-    matches nothing), but CUDA's all-reduce is not routed through the op it matches: no level
-    turns it on there, even where FlashInfer's kernel would exist (TP > 1, Hopper)."""
+def test_allreduce_fusion_on_cuda_where_flashinfer_can_serve_it(caplog, monkeypatch, platform):
+    """fuse_allreduce_rms has a pass (AllReduceFusionPass; without a fusable TP group it
+    registers and matches nothing); on CUDA the level turns it on with TP 2/4/8 on Hopper or
+    Blackwell with FlashInfer installed (the worker then sets up FlashInfer's workspace and
+    the all-reduce is emitted as the op the pass matches), and nowhere else."""
+    from vllm.config import ParallelConfig
     from vllm.platforms.cuda import CudaPlatform
 
     caplog.set_level(logging.INFO, logger="vllm")
@@ -118,10 +120,22 @@ def test_allreduce_fusion_is_not_claimed_on_cuda(caplog, monkeypatch, platform):
     assert "Enabled fusions: allreduce_rms, norm_quant\n" in caplog.text + "\n"
     assert [p.name for p in m.passes] == ["AllReduceFusionPass", "RMSNormQuantFusionPass"]
     assert m.passes[0].patterns.registered == []
-    platform = CudaPlatform()
-    monkeypatch.setattr(platform, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
-    assert platform.supports_allreduce_rms_fusion(None) is False
+
+    def resolved(tp: int, capability, present: bool) -> bool:
+        monkeypatch.setattr(CudaPlatform, "get_device_capability", lambda *a: capability)
+        monkeypatch.setattr("importlib.util.find_spec",
+                            lambda name, *a: object() if present else None)
+        cfg = VllmConfig(optimization_level=2,
+                         parallel_config=ParallelConfig(tensor_parallel_size=tp,
+                                                        distributed_executor_backend="mp"))
+        return cfg.compilation_config.pass_config.fuse_allreduce_rms
+
+    assert resolved(2, (9, 0), True) is True
+    assert resolved(4, (10, 0), True) is True
+    assert resolved(1, (9, 0), True) is False       # no all-reduce
+    assert resolved(2, (8, 0), True) is False       # Ampere: no fused kernel
+    assert resolved(2, (9, 0), False) is False      # FlashInfer not installed
+    assert resolved(3, (9, 0), True) is False       # FlashInfer fuses 2, 4 or 8 ranks
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"], indirect=True)

@@ -7,10 +7,11 @@ fused op.
     ... ;  q = quant_fp8(y, scale)                              -> q, res = fused_quant(...)
 
 `all_reduce` is `torch.ops.vllm.all_reduce(x, group_name)`, the op
-`tensor_model_parallel_all_reduce` emits when the group all-reduces through shared memory
-(vllm/distributed/shm_all_reduce.py); `fused` is `torch.ops.vllm.fused_all_reduce_rms_norm`
-(`..._static_fp8_quant`), which on the CPU sums the ranks' rows in shared memory, adds the
-residual, normalises and quantises each row while it is in cache. The plain pattern returns
+`tensor_model_parallel_all_reduce` emits when the group has a fusable all-reduce; `fused` is
+`torch.ops.vllm.fused_all_reduce_rms_norm` (`..._static_fp8_quant`), both in
+vllm/distributed/all_reduce_ops.py: on the CPU it sums the ranks' rows in shared memory, adds
+the residual, normalises and quantises each row while it is in cache; on CUDA it is
+FlashInfer's fused all-reduce (vllm/distributed/flashinfer_all_reduce.py). The plain pattern returns
 the reduced tensor too: a decoder's first norm has no residual, and the reduced embedding is
 the next layer's residual.
 
@@ -20,10 +21,6 @@ TP group's name (a constant of the op). Quantized patterns are registered before
 and residual ones before plain ones (each plain pattern is a sub-pattern of the other).
 Gate: `pass_config.fuse_allreduce_rms` (vllm/config/levels.py: TP > 1 and a platform with the
 fused kernel).
-
-On CUDA the fused all-reduce is FlashInfer's (vllm/distributed/flashinfer_all_reduce.py
-says when it can be used); this engine's CUDA graphs keep torch.distributed's all-reduce
-today, so the pass matches nothing there.
 """
 from __future__ import annotations
 
@@ -47,9 +44,7 @@ def tp_group_name() -> str | None:
     from vllm.distributed.parallel_state import get_tp_group
 
     tp = get_tp_group()
-    if tp.world_size == 1 or tp.group is None or tp.shm_all_reduce is None:
-        return None
-    return tp.group.group_name
+    return tp.group.group_name if tp.all_reduce_is_fusable else None
 
 
 class AllReduceFusionPass(VllmInductorPass):
@@ -59,9 +54,8 @@ class AllReduceFusionPass(VllmInductorPass):
                  decompose: list[bool] | None = None,
                  quant: bool | None = None) -> None:
         super().__init__(vllm_config)
-        import vllm.distributed.shm_all_reduce  # noqa: F401  (defines the ops)
         import vllm.model_executor.kernels.fp8_ops  # noqa: F401  (the quant ops)
-        from vllm.distributed.shm_all_reduce import pattern_tracing
+        from vllm.distributed.all_reduce_ops import pattern_tracing
 
         self.group_name = group_name if group_name is not None else tp_group_name()
         self.patterns = mu.FusionPatterns(self.name, tracing_context=pattern_tracing)
