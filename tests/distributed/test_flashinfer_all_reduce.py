@@ -112,8 +112,9 @@ def test_workspace_sized_by_the_limit_and_the_token_budget(comm):
     assert fi.get_group(GROUP) is tp.group
     kwargs = comm.workspaces[0].kwargs
     # Hopper, 2 ranks: 64 MiB of bf16 rows of 64 = 524288 tokens, capped by the budget.
-    assert kwargs == dict(backend="trtllm", world_size=WORLD, rank=1, max_token_num=4096,
-                          hidden_dim=HIDDEN, dtype=torch.bfloat16, group=tp.group)
+    assert kwargs == {"backend": "trtllm", "world_size": WORLD, "rank": 1,
+                      "max_token_num": 4096, "hidden_dim": HIDDEN, "dtype": torch.bfloat16,
+                      "group": tp.group}
     assert fused.max_tokens == 4096
     # 8 ranks on Hopper: 0.5 MiB / (64 x 2 bytes) = 4096 tokens, below a budget of 8192.
     fi.destroy_flashinfer_all_reduce()
