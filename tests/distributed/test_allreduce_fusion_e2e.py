@@ -2,9 +2,10 @@
 memory; with `fuse_allreduce_rms=True` the AllReduce+RMSNorm fusion pass rewrites every
 all-reduce -> RMSNorm of the model (the embedding's, and after each attention and MLP) and the
 default (off on the CPU) rewrites none; greedy tokens are identical, and logprobs within
-tolerance, between the two. (TP=2 against TP=1: tests/model_executor/test_tp_families.py.)"""
+tolerance, between the two, and under the Ray executor too. (TP=2 against TP=1: tests/model_executor/test_tp_families.py.)"""
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import pytest
@@ -17,10 +18,11 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["Hello world", "The capital of France is"]
 
 
-def generate(tp: int, fuse: bool | None):
+def generate(tp: int, fuse: bool | None, backend: str | None = None):
     cc = {} if fuse is None else {"pass_config": {"fuse_allreduce_rms": fuse}}
     llm = LLM(model="demo", tensor_parallel_size=tp, optimization_level=2, max_model_len=128,
-              kv_cache_memory="16MiB", compilation_config=cc)
+              kv_cache_memory="16MiB", compilation_config=cc,
+              distributed_executor_backend=backend)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -57,3 +59,8 @@ def test_tp2_fused_matches_unfused(tmp_path, monkeypatch, caplog):
     assert "AllReduceFusionPass" not in caplog.text
     assert_same(fused, unfused)
 
+    # The same fused graph under the Ray executor (ranks as actors of a local cluster on this
+    # host, so shared memory): loaded from the compile cache the mp run filled (same key),
+    # the same tokens and logprobs.
+    if importlib.util.find_spec("ray") is not None:
+        assert_same(generate(2, True, "ray"), fused)
