@@ -250,6 +250,7 @@ def measure(args, timed) -> dict:
         run = timed(args.batch16, args.b16_prompt_len, args.b16_max_tokens)
         result["b16"] = {"total_tok_s": args.batch16 * args.b16_max_tokens
                          / (run["end"] - run["start"]), "total_s": run["end"] - run["start"],
+                         "prefill_s": run["first"] - run["start"],
                          "tokens": run["tokens"], "tokens_last": run["tokens_last"]}
     return result
 

@@ -12,15 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
-from vllm.model_executor.layers.cpu_linear import linear_route, small_m_linear_available
+from vllm.model_executor.layers.cpu_linear import (_max_rows, linear_route,
+                                                   small_m_linear_available)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available() or not small_m_linear_available(),
     reason="needs oneDNN and the C++ linear dispatcher")
 linear = torch.ops.vllm_cpu_linear.linear if small_m_linear_available() else None
+# Rows beyond the small-M kernel's (4, or 16 on AVX2): products that take the oneDNN routes.
+ROWS = _max_rows(torch.float32) + 4 if small_m_linear_available() else 8
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 16, 77])
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 17, 77])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_linear(rows, bias):
     torch.manual_seed(rows)
@@ -28,7 +31,8 @@ def test_matches_linear(rows, bias):
     b = torch.randn(48) if bias else None
     assert cpl.prepack(weight)
     x = torch.randn(rows, 32)
-    assert linear_route(x, weight, b) == ("small_m" if rows <= 4 else "packed")
+    small = rows <= _max_rows(torch.float32)
+    assert linear_route(x, weight, b) == ("small_m" if small else "packed")
     out = linear(x, weight, b)
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.ops.vllm.cpu_prepacked_linear(x, weight, b),
@@ -37,7 +41,7 @@ def test_matches_linear(rows, bias):
 
 def test_stale_or_missing_copy_falls_back_and_copies_die_with_the_weight():
     weight = torch.nn.Parameter(torch.randn(16, 8), requires_grad=False)
-    x = torch.randn(8, 8)
+    x = torch.randn(ROWS, 8)
     gc.collect()  # other tests' models and their copies
     before = cpl.num_prepacked()
     assert cpl.prepack(weight) and cpl.num_prepacked() == before + 1
@@ -78,7 +82,7 @@ def test_background_prepacking_registers_every_queued_weight():
     before = cpl.num_prepacked()
     assert all(cpl.prepack_in_background(w) for w in weights)
     assert not cpl.prepack_in_background(torch.randn(4, 4, dtype=torch.bfloat16))
-    x = torch.randn(8, 32)
+    x = torch.randn(ROWS, 32)
     torch.testing.assert_close(linear(x, weights[-1]), F.linear(x, weights[-1]))  # any state
     assert cpl.wait_for_prepacking() >= 0.0
     assert cpl.num_prepacked() == before + len(weights)

@@ -23,14 +23,15 @@ def test_matches_f_linear_float32(shape, with_bias):
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
                     reason="the small-M linear kernel could not be built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 12, 16, 18])
 @pytest.mark.parametrize("n,k", [(37, 100), (130, 64), (1000, 33), (70, 1500), (5, 7)])
 def test_small_m_kernel(dtype, rows, n, k):
     """Odd sizes: K not a multiple of the 16 lanes, an odd number of 16-lane steps (one row of
     x takes them two at a time), K over several blocks (1500), K shorter than one step (7),
-    several passes of x rows over each weight row (more than 4 rows); strided rows of x. With
-    K = 1500, 3+ rows of x are too large for one-row streaming: weight rows four side by side,
-    N not a multiple of four."""
+    several passes of x rows over each weight row (more than one tile of x rows: 4 on
+    AVX-512, 6 on AVX2, so 12 and 18 rows are whole tiles and 16 is not); strided rows of x.
+    With K = 1500, 3+ rows of x are too large for one-row streaming: weight rows side by side
+    (2 on AVX2, 4 on AVX-512), N not a multiple of them."""
     torch.manual_seed(rows)
     w = torch.randn(n, k).to(dtype)
     b = torch.randn(n).to(dtype)
@@ -135,6 +136,20 @@ def test_bf16_policy_follows_onednn_bf16_support(monkeypatch):
     assert cpu_linear._max_rows(torch.bfloat16) == cpu_linear.SMALL_M_MAX_ROWS[torch.bfloat16]
 
 
+def test_float32_rows_follow_the_isa(monkeypatch):
+    """AVX2's small-M kernel takes float32 products up to 16 rows (measured faster than
+    oneDNN's there); other levels up to 4."""
+    if not cpu_linear.small_m_linear_available():
+        pytest.skip("the C++ linear dispatcher could not be built")
+    for isa, rows in (("avx2", cpu_linear.AVX2_F32_MAX_ROWS), ("avx512", 4),
+                      ("avx512_bf16", 4)):
+        monkeypatch.setattr(cpu_linear, "_max_rows_cache", {})
+        monkeypatch.setattr(torch.ops.vllm_cpu_linear, "isa", lambda isa=isa: isa)
+        assert cpu_linear._max_rows(torch.float32) == rows, isa
+    assert cpu_linear.AVX2_F32_MAX_ROWS == 16
+    monkeypatch.setattr(cpu_linear, "_max_rows_cache", {})
+
+
 def test_env_switch_off(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_onednn", None)
     monkeypatch.setenv("VLLM_CPU_ONEDNN_LINEAR", "0")
@@ -184,16 +199,19 @@ def _onednn_row_counts(fn) -> set[int]:
 
 @pytest.mark.skipif(not cpu_linear.onednn_linear_enabled(), reason="no oneDNN")
 def test_onednn_sees_few_row_counts():
-    """Products of 5..300 rows reach oneDNN with 25 row counts, not 296: oneDNN builds and
-    caches a primitive per count (what made the server's memory grow)."""
+    """Products of 5..300 rows (those beyond the small-M kernel's: 4 rows, 16 on AVX2) reach
+    oneDNN with at most 25 row counts, not one per row count: oneDNN builds and caches a
+    primitive per count (what made the server's memory grow)."""
     w = torch.randn(24, 16)
+    first = max(5, cpu_linear._max_rows(torch.float32) + 1)
 
     def run():
-        for rows in range(5, 301):
+        for rows in range(first, 301):
             cpu_linear.dispatch_linear(torch.randn(rows, 16), w)
 
     seen = _onednn_row_counts(run)
-    assert seen == {cpu_linear.onednn_rows(r) for r in range(5, 301)} and len(seen) == 25
+    assert seen == {cpu_linear.onednn_rows(r) for r in range(first, 301)}
+    assert len(seen) <= 25 < 301 - first
 
 
 def _malloc_in_use() -> int | None:
