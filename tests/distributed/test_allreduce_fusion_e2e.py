@@ -2,7 +2,8 @@
 memory; with `fuse_allreduce_rms=True` the AllReduce+RMSNorm fusion pass rewrites every
 all-reduce -> RMSNorm of the model (the embedding's, and after each attention and MLP) and the
 default (off on the CPU) rewrites none; greedy tokens are identical, and logprobs within
-tolerance, between the two, and under the Ray executor too. (TP=2 against TP=1: tests/model_executor/test_tp_families.py.)"""
+tolerance, between the two, and under the Ray executor too. (TP=2 against TP=1:
+tests/model_executor/test_tp_families.py.)"""
 from __future__ import annotations
 
 import importlib.util

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
-from vllm.model_executor.layers.cpu_linear import (_max_rows, linear_route,
-                                                   small_m_linear_available)
+from vllm.model_executor.layers.cpu_linear import _max_rows, linear_route, small_m_linear_available
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available() or not small_m_linear_available(),
