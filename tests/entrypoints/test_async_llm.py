@@ -278,3 +278,49 @@ def test_itl_counts_every_token_after_the_first_even_when_they_arrive_together()
         loop.close()
     assert metrics.ttft.count == 1
     assert metrics.itl.count == 4  # 5 tokens
+
+
+def test_add_requests_hands_the_engine_one_batch(llm, fake, monkeypatch):
+    """Several requests in one command: the engine thread adds them all between the same two
+    steps (while another request keeps it stepping); a refused one (a bad prompt, an id already
+    in flight) comes back as its exception and is not in flight, the others run."""
+    events: list[str] = []
+    add, step = fake.add_request, fake.step
+
+    def recording_add(*args):
+        events.append("add")
+        return add(*args)
+
+    def recording_step():
+        events.append("step")
+        return step()
+
+    monkeypatch.setattr(fake, "add_request", recording_add)
+    monkeypatch.setattr(fake, "step", recording_step)
+    submitted = []
+    submit = llm._submit
+    monkeypatch.setattr(llm, "_submit", lambda command: (submitted.append(command),
+                                                          submit(command)))
+
+    async def main():
+        busy = asyncio.ensure_future(_last(llm.generate("abc", greedy(200), "busy")))
+        while "step" not in events:
+            await asyncio.sleep(0.001)
+        batch = [(f"r{i}", "ab", greedy(3)) for i in range(64)]
+        batch[5] = ("bad", "x" * 500, greedy(3))  # longer than max_model_len
+        batch[9] = ("busy", "ab", greedy(3))      # already in flight
+        results = await llm.add_requests(batch)
+        finals = await asyncio.gather(*(_last(r) for r in results
+                                        if not isinstance(r, BaseException)))
+        await llm.abort("busy")
+        await busy
+        return results, finals
+
+    results, finals = run(main())
+    assert len(submitted) == 2 and len(submitted[1].adds) == 63  # the duplicate never queued
+    assert isinstance(results[5], ValueError) and "max_model_len" in str(results[5])
+    assert isinstance(results[9], ValueError) and "already in flight" in str(results[9])
+    assert len(finals) == 62 and all(len(f.outputs[0].token_ids) == 3 for f in finals)
+    adds = [i for i, e in enumerate(events) if e == "add"]
+    assert len(adds) == 1 + 63 and "step" not in events[adds[1]:adds[-1] + 1]
+    assert llm.num_in_flight == 0

@@ -14,7 +14,9 @@ Contract for callers:
     last one has `finished=True`. Leaving the iteration early (break, cancellation, a client
     that went away) aborts the request and frees its KV blocks.
   * `add_request(...)` -> `RequestStream` raises `ValueError` before anything is streamed
-    (prompt too long, bad params) so an HTTP layer can still answer 400.
+    (prompt too long, bad params) so an HTTP layer can still answer 400. `add_requests([...])`
+    hands several to the engine thread as one command, so they are all added between the same
+    two steps (a multi-prompt API call is one batch, not one request per step).
   * `abort(request_id)`; `get_stats()` (the engine's `stats()` as of the last step, plus the
     number of requests in flight); `wait_for_idle(timeout)`; `shutdown()`.
   * A request the engine failed on its own (its `pop_request_errors()` names it; the engine
@@ -90,6 +92,12 @@ class _Add:
     sampling_params: Any
     stream: RequestStream
     done: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _AddBatch:
+    """Adds the engine thread takes together, between two steps."""
+    adds: list[_Add]
 
 
 @dataclasses.dataclass
@@ -308,16 +316,15 @@ class AsyncLLM:
         self._submit(_Call(lambda engine: engine.reset_prefix_cache(), done))
         return await asyncio.wrap_future(done)
 
-    def _submit(self, command: _Add | _Call) -> None:
+    def _submit(self, command: _AddBatch | _Call) -> None:
         """Queue a command for the engine thread. The thread may have died (and drained the
         queue) since the caller checked: the dead flag is set before that drain, so checking
         it after queueing fails the command either here or in the drain, never neither."""
         self._commands.put(command)
         if self._dead is not None:
-            _set_exception(command.done, EngineDeadError(f"engine loop stopped: "
-                                                         f"{self._dead!r}"))
+            _refuse(command, EngineDeadError(f"engine loop stopped: {self._dead!r}"))
         elif self._stopped:
-            _set_exception(command.done, EngineDeadError("engine shut down"))
+            _refuse(command, EngineDeadError("engine shut down"))
 
     def check_health(self) -> None:
         """Raise EngineDeadError if the engine thread is gone."""
@@ -331,26 +338,49 @@ class AsyncLLM:
                           sampling_params: Any) -> RequestStream:
         """Hand a request to the engine. Raises ValueError (bad prompt or params, duplicate
         id) or EngineDeadError before returning; the stream then yields its outputs."""
+        result = (await self.add_requests([(request_id, prompt, sampling_params)]))[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def add_requests(self, requests: list[tuple[str, Any, Any]]
+                           ) -> list[RequestStream | BaseException]:
+        """Hand (request_id, prompt, sampling_params) requests to the engine in one command:
+        the engine thread adds them all between the same two steps. Each result is the
+        request's stream, or the exception that refused it (ValueError: bad prompt or params,
+        an id already in flight; EngineDeadError); a refused request is not in flight.
+        Raises EngineDeadError when the engine is already gone."""
         self.check_health()
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop)
+        results: list[RequestStream | BaseException | None] = [None] * len(requests)
+        adds: list[tuple[int, _Add]] = []
         with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in flight")
-            self._streams[request_id] = stream
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(_Add(request_id, prompt, sampling_params, stream, done))
+            for i, (request_id, prompt, sampling_params) in enumerate(requests):
+                if request_id in self._streams:
+                    results[i] = ValueError(f"request_id {request_id!r} is already in flight")
+                    continue
+                stream = RequestStream(request_id, loop)
+                self._streams[request_id] = stream
+                adds.append((i, _Add(request_id, prompt, sampling_params, stream,
+                                     concurrent.futures.Future())))
+        if adds:
+            self._submit(_AddBatch([add for _, add in adds]))
         try:
-            await asyncio.wrap_future(done)
+            outcomes = await asyncio.gather(*(asyncio.wrap_future(add.done) for _, add in adds),
+                                            return_exceptions=True)
         except asyncio.CancelledError:
-            # The caller went away while the engine was adding it: undo.
-            self._abort_nowait([request_id], notify=False)
+            # The caller went away while the engine was adding them: undo.
+            self._abort_nowait([add.request_id for _, add in adds], notify=False)
             raise
-        except BaseException:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            raise
-        return stream
+        for (i, add), outcome in zip(adds, outcomes):
+            if isinstance(outcome, BaseException):
+                with self._lock:
+                    if self._streams.get(add.request_id) is add.stream:
+                        del self._streams[add.request_id]
+                results[i] = outcome
+            else:
+                results[i] = add.stream
+        return results  # type: ignore[return-value]
 
     async def generate(self, prompt: Any, sampling_params: Any,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -460,8 +490,9 @@ class AsyncLLM:
                         stop = True
                     elif command is _DEAD:
                         raise EngineDeadError(f"engine died: {self._dead}")
-                    elif isinstance(command, _Add):
-                        self._handle_add(command)
+                    elif isinstance(command, _AddBatch):
+                        for add in command.adds:
+                            self._handle_add(add)
                     elif isinstance(command, _Call):
                         self._handle_call(command)
                     else:
@@ -484,8 +515,7 @@ class AsyncLLM:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(command, (_Add, _Call)):
-                    _set_exception(command.done, EngineDeadError(f"engine loop died: {dead!r}"))
+                _refuse(command, EngineDeadError(f"engine loop died: {dead!r}"))
 
     def _pop_request_errors(self) -> dict[str, BaseException]:
         pop = getattr(self.engine, "pop_request_errors", None)
@@ -611,8 +641,7 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, (_Add, _Call)):
-                _set_exception(command.done, EngineDeadError(why))
+            _refuse(command, EngineDeadError(why))
         self._stats = self._read_stats()
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -675,3 +704,12 @@ def _put_many(items: list[tuple[RequestStream, RequestOutput]]) -> None:
 
 # Upstream's name for the same class (its V1 engine is also AsyncLLM under this alias).
 AsyncLLMEngine = AsyncLLM
+
+
+def _refuse(command: Any, exc: BaseException) -> None:
+    """Fail a queued command that will not run (adds and calls; aborts need no answer)."""
+    if isinstance(command, _AddBatch):
+        for add in command.adds:
+            _set_exception(add.done, exc)
+    elif isinstance(command, _Call):
+        _set_exception(command.done, exc)

@@ -209,9 +209,8 @@ class OpenAIServing:
         if self.options.enable_log_requests:
             for rid, token_ids in zip(ids, prompts):
                 self.log_request(rid, token_ids, params)
-        results = await asyncio.gather(
-            *(self.engine.add_request(rid, {"prompt_token_ids": token_ids}, params)
-              for rid, token_ids in zip(ids, prompts)), return_exceptions=True)
+        results = await self.engine.add_requests(
+            [(rid, {"prompt_token_ids": ids_}, params) for rid, ids_ in zip(ids, prompts)])
         streams = [r for r in results if isinstance(r, RequestStream)]
         error = next((r for r in results if isinstance(r, BaseException)), None)
         if error is None:
