@@ -23,9 +23,7 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     tp = get_tp_group()
     if tp.world_size == 1:
         return x
-    if tp.all_reduce_is_fusable:
-        import vllm.distributed.all_reduce_ops  # noqa: F401  (defines the op)
-
+    if tp.all_reduce_is_fusable:  # (initialize_model_parallel imported the op)
         return torch.ops.vllm.all_reduce(x, tp.group.group_name)
     ops = torch.ops._c10d_functional
     return ops.wait_tensor(ops.all_reduce(x, "sum", tp.group.group_name))

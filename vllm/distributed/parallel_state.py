@@ -166,10 +166,6 @@ def destroy_model_parallel() -> None:
         from vllm.distributed.flashinfer_all_reduce import destroy_flashinfer_all_reduce
 
         destroy_flashinfer_all_reduce(_TP.group.group_name)
-    if _TP is not None and _TP.flashinfer_all_reduce is not None:
-        from vllm.distributed.flashinfer_all_reduce import destroy_flashinfer_all_reduce
-
-        destroy_flashinfer_all_reduce(_TP.group.group_name)
     _TP = None
     _PP = None
 
