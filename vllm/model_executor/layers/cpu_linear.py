@@ -9,7 +9,8 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   kernel (csrc/cpu_small_m_linear.cpp) streams the weight with prefetching instead, for up to
   4 rows (float32: 1.0-1.6x oneDNN; bfloat16: 1.5-2.3x), and up to 16 bfloat16 rows on CPUs
   with AVX512-BF16 dot products (1.1-1.5x at 8-16 rows). Since then it reads each thread's
-  rows as a single stream, which made one-row products another 1.25-1.4x faster.
+  rows as a single stream, which made one-row products another 1.25-1.4x faster, and takes
+  float32 products up to 16 rows on AVX2 and 8 on AVX-512 (the measured crossovers below).
 
 oneDNN builds and caches a primitive for every distinct row count (~0.55 MB each with the
 weight shape, in two caches of 1024 entries), so a server whose per-step token counts keep
@@ -51,6 +52,11 @@ SMALL_M_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 4}
 # products up to 16 rows on cold weights: a step of the 50M Llama's 33 products, 2 threads,
 # 12 rows 19 ms against 27.5, 16 rows 25 against 30-33, 24 rows 33-34 against 34-37.
 AVX2_F32_MAX_ROWS = 16
+# AVX-512's 4 x 4 tiles against oneDNN's prepacked float32 products, same step of the 50M
+# Llama's 33 products on cold weights (Intel Xeon with AVX-512 + AMX, 2 threads, medians of 5
+# interleaved rounds, two runs): 5 rows 1.17x, 6 1.12x, 8 1.12-1.17x, 10 0.95x, 12 0.92-1.01x,
+# 16 0.93x. (The earlier limit of 4 came from a Zen 4 machine.)
+AVX512_F32_MAX_ROWS = 8
 BF16_DOT_MAX_ROWS = 16
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
 # machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x
@@ -130,6 +136,8 @@ def _max_rows(dtype: torch.dtype) -> int:
         rows = SMALL_M_MAX_ROWS.get(dtype, 0)
         if dtype == torch.float32 and torch.ops.vllm_cpu_linear.isa() == "avx2":
             rows = AVX2_F32_MAX_ROWS
+        elif dtype == torch.float32 and torch.ops.vllm_cpu_linear.isa().startswith("avx512"):
+            rows = AVX512_F32_MAX_ROWS
         elif dtype == torch.bfloat16 and torch.ops.vllm_cpu_linear.has_bf16_dot():
             rows = BF16_DOT_MAX_ROWS
         elif dtype == torch.bfloat16 and bf16_widened():
