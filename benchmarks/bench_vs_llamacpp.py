@@ -15,9 +15,10 @@ Workloads: batch-1 decode tokens/s (128 new tokens after a 32-token prompt, gree
 ignored; (tokens - 1) over first output token to last), and batch 16 x 128-token prompts,
 total output tokens/s with the prefill included (llama.cpp: the 16 sequences share one
 llama_batch, n_seq_max=16, prefilled together, then one token per sequence per decode call).
-The machine's read bandwidth is measured in the same run (a >1 GiB float32 sum with the same
-thread count, best of 5, once per round; the best reading counts); batch-1 decode is also
-given as the weight-read rate (weight bytes read per token x tokens/s) in % of that bandwidth.
+The machine's read bandwidth is measured in the same run (a >1 GiB float32 sum and gemv with
+the same thread count, best of 5 each, once per round; the best reading counts); batch-1
+decode is also given as the weight-read rate (weight bytes read per token x tokens/s) in % of
+that bandwidth.
 The first greedy tokens of every engine are checked against transformers' (a sanity check of
 the GGUF conversion), and for float32 those of llama.cpp at the same math (float32 KV cache,
 no flash attention; its defaults round both to float16).
@@ -256,15 +257,20 @@ def measure(args, timed) -> dict:
 
 
 def run_bandwidth(args) -> dict:
-    """Read bandwidth (GB/s): the best of 5 sums over a 1.5 GiB float32 array."""
+    """Read bandwidth (GB/s): the best of 5 passes over a 1.5 GiB float32 array of each of two
+    library reads (torch's sum: one sequential stream per thread; MKL's gemv through torch.mv:
+    several rows at once, faster on CPUs whose prefetchers keep more in flight for several
+    streams)."""
     import torch
 
     x = torch.ones(3 * 2 ** 27)  # 1.5 GiB
+    rows, v = x.view(-1, 1024), torch.ones(1024)
     best = 0.0
-    for _ in range(6):  # the first one also faults the pages in
-        start = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    for read in (x.sum, lambda: torch.mv(rows, v)):
+        for _ in range(6):  # the first one also faults the pages in
+            start = time.perf_counter()
+            read()
+            best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
     return {"read_gb_s": best}
 
 
@@ -476,7 +482,8 @@ def markdown(summary: dict) -> str:
         f"(flags: {' '.join(m['flags'])}); read bandwidth {fmt(bw['best'])} GB/s "
         f"(the best of {len(bw['readings'])} readings in this run, one per round and one at "
         f"the end: {', '.join(fmt(b) for b in bw['readings'])}; each the best of 5 sums "
-        f"of a 1.5 GiB float32 array on {summary['threads']} threads).",
+        f"and 5 gemv (torch.mv) of a 1.5 GiB float32 array on {summary['threads']} "
+        f"threads).",
         f"llama.cpp: llama-cpp-python {summary['llama_cpp'].get('version', '?')}, "
         f"flash attention {summary['llama_cpp'].get('flash_attn', '?')}, KV cache "
         f"{summary['llama_cpp'].get('kv_cache_type', '?')} (llama.cpp's defaults: auto, f16), "

@@ -260,7 +260,11 @@ def test_prefetch_distance_default_env_and_results(monkeypatch):
     op = torch.ops.vllm_cpu_linear
     level = op.isa()
     monkeypatch.delenv("VLLM_CPU_LINEAR_PREFETCH_BYTES", raising=False)
+    monkeypatch.setenv("VLLM_CPU_LINEAR_STREAMS", "1")
     assert cpu_linear.prefetch_bytes() == cpu_linear.PREFETCH_BYTES.get(level, 8192)
+    monkeypatch.setenv("VLLM_CPU_LINEAR_STREAMS", "4")  # several streams: their distance
+    assert cpu_linear.prefetch_bytes() == cpu_linear.STREAMS_PREFETCH_BYTES
+    monkeypatch.delenv("VLLM_CPU_LINEAR_STREAMS")
     assert cpu_linear.PREFETCH_BYTES["avx2"] == 0  # any software prefetch measured slower
     assert op.prefetch_bytes() == cpu_linear.prefetch_bytes()  # what the first load set
     monkeypatch.setenv("VLLM_CPU_LINEAR_PREFETCH_BYTES", "4096")
@@ -282,3 +286,68 @@ def test_prefetch_distance_default_env_and_results(monkeypatch):
             assert all(torch.equal(results[0], r) for r in results[1:])
     finally:
         op.prefetch_bytes(before)
+
+
+# ---- weight streams per thread (per CPU vendor) ---------------------------------------------
+
+def test_cpu_vendor_is_read_from_cpuinfo(tmp_path, monkeypatch):
+    from vllm.utils import cpu_info
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n")
+    monkeypatch.setattr(cpu_info, "CPUINFO", str(fake))
+    cpu_info.cpu_vendor.cache_clear()
+    try:
+        assert cpu_info.cpu_vendor() == "AuthenticAMD"
+        fake.write_text("processor\t: 0\n")
+        cpu_info.cpu_vendor.cache_clear()
+        assert cpu_info.cpu_vendor() == ""
+    finally:
+        monkeypatch.undo()
+        cpu_info.cpu_vendor.cache_clear()
+
+
+def test_weight_streams_default_per_vendor_and_env(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_LINEAR_STREAMS", raising=False)
+    for vendor, expected in (("GenuineIntel", 8), ("AuthenticAMD", 1), ("", 1)):
+        monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda v=vendor: v)
+        assert cpu_linear.weight_streams() == expected
+    for good in ("1", "2", "4", "8"):
+        monkeypatch.setenv("VLLM_CPU_LINEAR_STREAMS", good)
+        assert cpu_linear.weight_streams() == int(good)
+    for bad in ("0", "3", "16", "-1", "many"):
+        monkeypatch.setenv("VLLM_CPU_LINEAR_STREAMS", bad)
+        with pytest.raises(ValueError, match=f"VLLM_CPU_LINEAR_STREAMS.*1, 2, 4, 8.*{bad!r}"):
+            cpu_linear.weight_streams()
+
+
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_stream_count_computes_the_product(dtype):
+    """Streams cut each thread's rows into far-apart parts read side by side, with the rows
+    left over read as one stream: every count, row count of x (one-stream and tiled paths),
+    thread count and odd sizes give the product (float64 reference)."""
+    op = torch.ops.vllm_cpu_linear
+    assert op.streams() == cpu_linear.weight_streams()  # what the first load set
+    torch.manual_seed(0)
+    # 2 threads x 8 streams x 16 rows = 256 rows take the stream path; 37 are left over
+    w = torch.randn(293, 1100).to(dtype)
+    b = torch.randn(293).to(dtype)
+    before, threads = op.streams(), torch.get_num_threads()
+    tol = ({"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16
+           else {"rtol": 1e-4, "atol": 1e-3})
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 2, 3, 4, 5, 8, 16):
+                x = torch.randn(rows, 1100).to(dtype)
+                ref = (x.double() @ w.double().t() + b.double()).to(dtype).float()
+                for streams in (1, 2, 4, 8):
+                    assert op.streams(streams) == streams
+                    y = op.small_m_linear(x, w, b)
+                    torch.testing.assert_close(y.float(), ref, **tol,
+                                               msg=f"{rows} rows, {streams} streams")
+        assert op.streams(3) == 8  # not a stream count: only reads it
+    finally:
+        op.streams(before)
+        torch.set_num_threads(threads)

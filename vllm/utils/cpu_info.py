@@ -35,6 +35,20 @@ def cpu_flags_line() -> str:
     return ""
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"); "" where
+    unknown."""
+    try:
+        with open(CPUINFO) as f:
+            for line in f:
+                if line.startswith("vendor_id") and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (e.g. "avx2", "avx512_bf16", "amx_bf16"); empty if unknown."""
     line = cpu_flags_line()

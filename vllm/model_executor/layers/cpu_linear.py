@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vllm.utils.cpu_info import cpu_vendor
 from vllm.utils.cpu_kernels import load_cpu_extension, switched_off
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc",
@@ -82,10 +83,12 @@ def small_m_linear_available() -> bool:
     if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR"):
         return False
     if not _configured:
-        distance = prefetch_bytes()  # a bad VLLM_CPU_LINEAR_PREFETCH_BYTES stops here
+        distance = prefetch_bytes()  # a bad VLLM_CPU_LINEAR_PREFETCH_BYTES or
+        weight_streams()  # VLLM_CPU_LINEAR_STREAMS stops here
         torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
                                             onednn_linear_enabled(), bf16_widened())
         torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
+        torch.ops.vllm_cpu_linear.streams(weight_streams())
         _configured = True
     return True
 
@@ -94,18 +97,44 @@ _configured = False
 _max_rows_cache: dict[torch.dtype, int] = {}
 
 
-# Software prefetch distance of the small-M kernel's weight stream, per ISA level the library
-# was built for (bytes; 0 = none, the hardware prefetchers alone). Measured on the two dev
-# machines: on the AVX-512 one (Zen 4) prefetching 4-16 KB ahead beat oneDNN's read rate and
-# 1 KB was ~10% slower; on the AVX2-only one (Zen 2/3) any software prefetch lowered the
+# Weight streams per thread of the small-M kernel (csrc `streams`: each thread's rows cut into
+# that many far-apart parts read side by side), per CPU vendor. On an Intel Xeon (AVX-512 +
+# AMX, KVM, 2 threads) one stream per thread reads cold weights at 14-16 GB/s and eight at
+# 19-20 (one-row products of all the Qwen2.5-0.5B shape's or the 50M Llama's linears, float32
+# and bfloat16: 1.25-1.35x; two rows 1.3x, four 1.1x; the AVX2 build there, 4 streams:
+# 1.25-1.5x): its L2 prefetchers keep more lines in flight for several streams than for one.
+# Not measured on AMD CPUs (the Zen 3 dev machine measured one stream 1.3x faster than four
+# adjacent rows side by side), which keep one stream.
+STREAMS_BY_VENDOR = {"GenuineIntel": 8}
+# Software prefetch distance of one weight stream (bytes; 0 = none, the hardware prefetchers
+# alone). With several streams per thread (Intel, above): 1-4 KB measured the same, 8 KB a few
+# % slower. With one stream, per ISA level the library was built for, measured on the two AMD
+# dev machines: on the AVX-512 one (Zen 4) prefetching 4-16 KB ahead beat oneDNN's read rate
+# and 1 KB was ~10% slower; on the AVX2-only one (Zen 2/3) any software prefetch lowered the
 # read rate (one [4864, 896] float32 stream per thread: 19.5 GB/s without, 16.4 at 1 KB,
 # 14.7 at 4 KB; the kernel on the 0.5B shape's weights ~10% faster without).
+STREAMS_PREFETCH_BYTES = 2048
 PREFETCH_BYTES = {"avx2": 0, "avx512": 8192, "avx512_bf16": 8192}
+STREAM_COUNTS = (1, 2, 4, 8)
+
+
+def weight_streams() -> int:
+    """The small-M kernel's weight streams per thread: VLLM_CPU_LINEAR_STREAMS when set (1, 2, 4
+    or 8; a ValueError names a bad value), else the measured default of this CPU's vendor."""
+    raw = os.environ.get("VLLM_CPU_LINEAR_STREAMS")
+    if raw is not None and raw.strip() != "":
+        if raw.strip() not in {str(n) for n in STREAM_COUNTS}:
+            raise ValueError(f"VLLM_CPU_LINEAR_STREAMS must be one of "
+                             f"{', '.join(map(str, STREAM_COUNTS))} (weight streams per "
+                             f"thread), got {raw!r}")
+        return int(raw)
+    return STREAMS_BY_VENDOR.get(cpu_vendor(), 1)
 
 
 def prefetch_bytes() -> int:
     """The small-M kernel's prefetch distance: VLLM_CPU_LINEAR_PREFETCH_BYTES when set (a
-    ValueError names a bad value), else the measured default of the built ISA level."""
+    ValueError names a bad value), else the measured default: STREAMS_PREFETCH_BYTES with
+    several weight streams, else that of the built ISA level."""
     raw = os.environ.get("VLLM_CPU_LINEAR_PREFETCH_BYTES")
     if raw is not None and raw.strip() != "":
         try:
@@ -116,6 +145,8 @@ def prefetch_bytes() -> int:
             raise ValueError(f"VLLM_CPU_LINEAR_PREFETCH_BYTES must be a whole number of bytes "
                              f">= 0 (0: no software prefetch), got {raw!r}")
         return value
+    if weight_streams() > 1:
+        return STREAMS_PREFETCH_BYTES
     return PREFETCH_BYTES.get(torch.ops.vllm_cpu_linear.isa(), 8192)
 
 

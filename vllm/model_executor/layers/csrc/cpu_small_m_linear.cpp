@@ -90,6 +90,15 @@ constexpr int64_t kDotMinRows = 3;        // fewer rows keep the widening loop
 // per ISA level (`prefetch_bytes` op; cpu_linear.py says what was measured where).
 int64_t g_prefetch_bytes = 8192;
 constexpr int64_t kStreamL1Bytes = 20480;  // x (as float) + 2 weight rows, for one stream
+// Weight streams one thread reads side by side (1, 2, 4 or 8), far apart in the weight: each
+// thread's range of rows is cut into that many parts, read in lockstep (`streams` op, set from
+// Python per CPU: cpu_linear.py says what was measured where). Products of several x rows take
+// fewer streams (at most kMaxStreamAcc accumulators: AVX-512's 32 registers hold 16 beside the
+// x and weight vectors, AVX2's 16 hold 4); a stream has at least kMinStreamRows rows; products
+// of more rows of x (tiles of kTileN weight rows) read kTileN streams whenever g_streams > 1.
+int64_t g_streams = 1;
+constexpr int kMaxStreamAcc = kVecBytes == 64 ? 16 : 4;
+constexpr int64_t kMinStreamRows = 16;
 constexpr int kLineBytes = 64;
 
 typedef float vf __attribute__((vector_size(kVecBytes)));
@@ -138,12 +147,14 @@ inline float hsum(vf v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// Where to prefetch for weight row i of an NR-row tile at column k: one row (a single stream
-// through the weight) g_prefetch_bytes ahead; a tile of rows side by side the same column of
-// the next tile. Callers prefetch only while g_prefetch_bytes > 0.
+// Where to prefetch for weight row i of an NR-row tile at column k, the tile's rows rs
+// elements apart: rows that each run on as a stream of their own (one row, or rows from
+// far-apart parts of the weight: rs != K) g_prefetch_bytes ahead of where they read; a tile of
+// adjacent rows the same column of the next tile. Callers prefetch only while g_prefetch_bytes
+// > 0.
 template <int NR, typename T>
-inline const T* prefetch_at(const T* w, int64_t K, int i, int64_t k) {
-  if constexpr (NR == 1) return w + k + g_prefetch_bytes / static_cast<int64_t>(sizeof(T));
+inline const T* prefetch_at(const T* w, int64_t K, int64_t rs, int i, int64_t k) {
+  if (NR == 1 || rs != K) return w + i * rs + k + g_prefetch_bytes / static_cast<int64_t>(sizeof(T));
   return w + (i + NR) * K + k;
 }
 
@@ -157,11 +168,11 @@ struct Widen {
   static constexpr int kStepBytes = kStep * sizeof(T);
   static constexpr int kLinesPerStep = kStepBytes >= kLineBytes ? kStepBytes / kLineBytes : 1;
 
-  // acc[i * MR + j] += w_i[k0:k1] . x_j[k0:k1] for the NR weight rows w_i = w + i * K and the
-  // MR rows x_j = x + j * x_stride; k1 - k0 is a multiple of kStep.
+  // acc[i * MR + j] += w_i[k0:k1] . x_j[k0:k1] for the NR weight rows w_i = w + i * rs (rows
+  // of K elements) and the MR rows x_j = x + j * x_stride; k1 - k0 is a multiple of kStep.
   template <int NR, int MR>
-  static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const float* x,
-                           int64_t x_stride, vf* acc_io) {
+  static inline void block(const T* w, int64_t K, int64_t rs, int64_t k0, int64_t k1,
+                           const float* x, int64_t x_stride, vf* acc_io) {
     const bool prefetch = g_prefetch_bytes > 0;
     if constexpr (NR == 1 && MR == 1) {
       // One stream, 256 bytes of weight (4 cache lines) an iteration, up to 8 accumulators:
@@ -172,7 +183,7 @@ struct Widen {
       int64_t k = k0;
       for (; k + kPairs * kStep <= k1; k += kPairs * kStep) {
         if (prefetch) {
-          const char* ahead = reinterpret_cast<const char*>(prefetch_at<1>(w, K, 0, k));
+          const char* ahead = reinterpret_cast<const char*>(prefetch_at<1>(w, K, K, 0, k));
           for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + l * kLineBytes);
         }
         for (int u = 0; u < kPairs; ++u) {
@@ -207,14 +218,14 @@ struct Widen {
       for (int64_t k = k0; k < k1; k += kStep) {
         if (NR > 1 || prefetch) {
           for (int i = 0; i < NR; ++i) {
-            const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, i, k));
+            const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, rs, i, k));
             for (int l = 0; l < kLinesPerStep; ++l) __builtin_prefetch(ahead + l * kLineBytes);
           }
         }
         if constexpr (std::is_same_v<T, float>) {
           for (int h = 0; h < 2; ++h) {
             vf wv[NR];
-            for (int i = 0; i < NR; ++i) wv[i] = load(w + i * K + k + h * kLanes);
+            for (int i = 0; i < NR; ++i) wv[i] = load(w + i * rs + k + h * kLanes);
             for (int j = 0; j < MR; ++j) {
               const vf xv = load(x + j * x_stride + k + h * kLanes);
               for (int i = 0; i < NR; ++i) acc[i][j] += wv[i] * xv;
@@ -222,7 +233,7 @@ struct Widen {
           }
         } else {  // one load widens into both halves
           vf wv[NR][2];
-          for (int i = 0; i < NR; ++i) load2(w + i * K + k, wv[i][0], wv[i][1]);
+          for (int i = 0; i < NR; ++i) load2(w + i * rs + k, wv[i][0], wv[i][1]);
           for (int h = 0; h < 2; ++h)
             for (int j = 0; j < MR; ++j) {
               const vf xv = load(x + j * x_stride + k + h * kLanes);
@@ -248,11 +259,11 @@ struct Widen {
       }
       for (int i = 0; i < NR; ++i) {
         if (prefetch) {
-          const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, i, k));
+          const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, rs, i, k));
           for (int l = 0; l < kLinesPerStep; ++l) __builtin_prefetch(ahead + l * kLineBytes);
         }
         vf p, q;
-        load2(w + i * K + k, p, q);
+        load2(w + i * rs + k, p, q);
         for (int j = 0; j < MR; ++j) {
           acc[0][i][j] += p * x0[j];
           acc[kSplit - 1][i][j] += q * x1[j];
@@ -276,8 +287,8 @@ struct Bf16Dot {
   static constexpr int64_t kBlock = 1024;  // K block (measured)
 
   template <int NR, int MR>
-  static inline void block(const T* w, int64_t K, int64_t k0, int64_t k1, const T* x,
-                           int64_t x_stride, vf* acc_io) {
+  static inline void block(const T* w, int64_t K, int64_t rs, int64_t k0, int64_t k1,
+                           const T* x, int64_t x_stride, vf* acc_io) {
     const bool prefetch = g_prefetch_bytes > 0;
     __m512 acc[NR][MR];
     for (int i = 0; i < NR; ++i)
@@ -286,8 +297,8 @@ struct Bf16Dot {
       __m512bh xv[MR];
       for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * x_stride + k);
       for (int i = 0; i < NR; ++i) {
-        if (prefetch) __builtin_prefetch(prefetch_at<NR>(w, K, i, k));
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * K + k);
+        if (prefetch) __builtin_prefetch(prefetch_at<NR>(w, K, rs, i, k));
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * rs + k);
         for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
       }
     }
@@ -300,26 +311,29 @@ constexpr bool kBf16Dot = false;
 #endif
 
 template <typename Loop, int NR, typename T, typename XT>
-inline void block_rows(int mr, const T* w, int64_t K, int64_t k0, int64_t k1, const XT* x,
-                       int64_t x_stride, vf* acc) {
+inline void block_rows(int mr, const T* w, int64_t K, int64_t rs, int64_t k0, int64_t k1,
+                       const XT* x, int64_t x_stride, vf* acc) {
   switch (mr) {
-    case 1: Loop::template block<NR, 1>(w, K, k0, k1, x, x_stride, acc); break;
-    case 2: Loop::template block<NR, 2>(w, K, k0, k1, x, x_stride, acc); break;
-    case 3: Loop::template block<NR, 3>(w, K, k0, k1, x, x_stride, acc); break;
-    case 4: Loop::template block<NR, 4>(w, K, k0, k1, x, x_stride, acc); break;
-    case 5: Loop::template block<NR, 5>(w, K, k0, k1, x, x_stride, acc); break;
-    default: Loop::template block<NR, kTileM>(w, K, k0, k1, x, x_stride, acc); break;
+    case 1: Loop::template block<NR, 1>(w, K, rs, k0, k1, x, x_stride, acc); break;
+    case 2: Loop::template block<NR, 2>(w, K, rs, k0, k1, x, x_stride, acc); break;
+    case 3: Loop::template block<NR, 3>(w, K, rs, k0, k1, x, x_stride, acc); break;
+    case 4: Loop::template block<NR, 4>(w, K, rs, k0, k1, x, x_stride, acc); break;
+    case 5: Loop::template block<NR, 5>(w, K, rs, k0, k1, x, x_stride, acc); break;
+    default: Loop::template block<NR, kTileM>(w, K, rs, k0, k1, x, x_stride, acc); break;
   }
 }
 
+// An nr-row tile (1..4 adjacent rows: rs == K) or nr far-apart streams (2, 4 or 8 rows rs
+// elements apart) against mr rows of x.
 template <typename Loop, typename T, typename XT>
-inline void block_tile(int nr, int mr, const T* w, int64_t K, int64_t k0, int64_t k1,
-                       const XT* x, int64_t x_stride, vf* acc) {
+inline void block_tile(int nr, int mr, const T* w, int64_t K, int64_t rs, int64_t k0,
+                       int64_t k1, const XT* x, int64_t x_stride, vf* acc) {
   switch (nr) {
-    case 1: block_rows<Loop, 1>(mr, w, K, k0, k1, x, x_stride, acc); break;
-    case 2: block_rows<Loop, 2>(mr, w, K, k0, k1, x, x_stride, acc); break;
-    case 3: block_rows<Loop, 3>(mr, w, K, k0, k1, x, x_stride, acc); break;
-    default: block_rows<Loop, 4>(mr, w, K, k0, k1, x, x_stride, acc); break;
+    case 1: block_rows<Loop, 1>(mr, w, K, rs, k0, k1, x, x_stride, acc); break;
+    case 2: block_rows<Loop, 2>(mr, w, K, rs, k0, k1, x, x_stride, acc); break;
+    case 3: block_rows<Loop, 3>(mr, w, K, rs, k0, k1, x, x_stride, acc); break;
+    case 8: block_rows<Loop, 8>(mr, w, K, rs, k0, k1, x, x_stride, acc); break;
+    default: block_rows<Loop, 4>(mr, w, K, rs, k0, k1, x, x_stride, acc); break;
   }
 }
 
@@ -341,11 +355,40 @@ void stream_rows(const XT* x, int64_t x_stride, int64_t K, int64_t k_vec, const 
   for (int64_t n = n_begin; n < n_end; ++n) {
     const T* w = wp + n * K;
     vf acc[MR] = {};
-    Loop::template block<1, MR>(w, K, 0, k_vec, x, x_stride, acc);
+    Loop::template block<1, MR>(w, K, K, 0, k_vec, x, x_stride, acc);
     const float b = bp ? scalar(bp[n]) : 0.0f;
     for (int j = 0; j < MR; ++j)
       op[j * o_stride + n] = finish(acc[j], w, x + j * x_stride, k_vec, K, b);
   }
+}
+
+// Weight rows [n_begin, n_begin + S * per) as S streams side by side: stream s reads rows
+// n_begin + s * per + [0, per) front to back, the S streams one row each at a time in
+// lockstep, against the M (<= kTileM) rows of x.
+template <typename Loop, typename T, typename XT>
+void stream_tiles(int S, int M, const XT* x, int64_t x_stride, int64_t K, int64_t k_vec,
+                  const T* wp, int64_t n_begin, int64_t per, const T* bp, T* op,
+                  int64_t o_stride) {
+  vf acc[kMaxStreamAcc];
+  for (int64_t n = n_begin; n < n_begin + per; ++n) {
+    std::fill(acc, acc + S * M, vf{});
+    block_tile<Loop>(S, M, wp + n * K, K, per * K, 0, k_vec, x, x_stride, acc);
+    for (int s = 0; s < S; ++s) {
+      const int64_t row = n + s * per;
+      const float b = bp ? scalar(bp[row]) : 0.0f;
+      for (int j = 0; j < M; ++j)
+        op[j * o_stride + row] =
+            finish(acc[s * M + j], wp + row * K, x + j * x_stride, k_vec, K, b);
+    }
+  }
+}
+
+// How many streams a thread reads side by side for M rows of x: g_streams, halved while the
+// tile would hold more than kMaxStreamAcc accumulators.
+inline int streams_for(int64_t M) {
+  int s = static_cast<int>(g_streams);
+  while (s > 1 && s * M > kMaxStreamAcc) s /= 2;
+  return s;
 }
 
 // x: M rows of XT with stride x_stride (float rows for the widening loop).
@@ -364,6 +407,13 @@ void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64
   // grain: at least 64 weight rows per task (small products stay on one thread)
   at::parallel_for(0, N, 64, [&](int64_t n_begin, int64_t n_end) {
     if (tile_n == 1 && groups == 1) {
+      const int S = streams_for(M);
+      const int64_t per = (n_end - n_begin) / S;
+      if (S > 1 && per >= kMinStreamRows) {
+        stream_tiles<Loop>(S, static_cast<int>(M), x, x_stride, K, k_vec, wp, n_begin, per, bp,
+                           op, o_stride);
+        n_begin += S * per;  // the rows left over: one stream
+      }
       switch (M) {
         case 1: stream_rows<Loop, 1>(x, x_stride, K, k_vec, wp, n_begin, n_end, bp, op,
                                      o_stride); break;
@@ -381,8 +431,8 @@ void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64
       return;
     }
     std::vector<vf> acc(groups * acc_stride);
-    for (int64_t n0 = n_begin; n0 < n_end; n0 += tile_n) {
-      const int nr = static_cast<int>(std::min<int64_t>(tile_n, n_end - n0));
+    // One tile: nr weight rows `apart` rows from each other, from row n0 on.
+    auto tile = [&](int64_t n0, int nr, int64_t apart) {
       const T* w = wp + n0 * K;
       std::fill(acc.begin(), acc.end(), vf{});
       // K in blocks: the tile's block (streamed in by the first group of x rows) and the x
@@ -391,21 +441,31 @@ void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64
         const int64_t k1 = std::min(k_vec, k0 + Loop::kBlock);
         for (int64_t g = 0; g < groups; ++g) {
           const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - g * kTileM));
-          block_tile<Loop>(nr, mr, w, K, k0, k1, x + g * kTileM * x_stride, x_stride,
-                           acc.data() + g * acc_stride);
+          block_tile<Loop>(nr, mr, w, K, apart * K, k0, k1, x + g * kTileM * x_stride,
+                           x_stride, acc.data() + g * acc_stride);
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
         const int mr = static_cast<int>(std::min<int64_t>(kTileM, M - g * kTileM));
         const vf* a = acc.data() + g * acc_stride;
         for (int i = 0; i < nr; ++i) {
-          const float b = bp ? scalar(bp[n0 + i]) : 0.0f;
+          const int64_t row = n0 + i * apart;
+          const float b = bp ? scalar(bp[row]) : 0.0f;
           for (int j = 0; j < mr; ++j)
-            op[(g * kTileM + j) * o_stride + n0 + i] =
-                finish(a[i * mr + j], w + i * K, x + (g * kTileM + j) * x_stride, k_vec, K, b);
+            op[(g * kTileM + j) * o_stride + row] =
+                finish(a[i * mr + j], wp + row * K, x + (g * kTileM + j) * x_stride, k_vec, K, b);
         }
       }
+    };
+    // With streams on, the tile's rows come from tile_n far-apart parts of the range (one
+    // stream each); the rows left over, and every row otherwise, in tiles of adjacent rows.
+    const int64_t per = g_streams > 1 ? (n_end - n_begin) / tile_n : 0;
+    if (per >= kMinStreamRows) {
+      for (int64_t n0 = n_begin; n0 < n_begin + per; ++n0) tile(n0, static_cast<int>(tile_n), per);
+      n_begin += tile_n * per;
     }
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += tile_n)
+      tile(n0, static_cast<int>(std::min<int64_t>(tile_n, n_end - n0)), 1);
   });
 }
 
@@ -692,6 +752,13 @@ int64_t prefetch_bytes(int64_t bytes) {
   return g_prefetch_bytes;
 }
 
+// Weight streams per thread of the small-M kernel (1, 2, 4 or 8); a value outside that set only
+// reads it. Returns the count in force.
+int64_t streams(int64_t n) {
+  if (n == 1 || n == 2 || n == 4 || n == 8) g_streams = n;
+  return g_streams;
+}
+
 void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
                bool bf16_widened) {
   g_policy = Policy{f32_small_rows, bf16_small_rows, onednn, bf16_widened};
@@ -752,6 +819,7 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn, "
         "bool bf16_widened=False) -> ()", &configure);
   m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
+  m.def("streams(int n=-1) -> int", &streams);
   m.def("set_packed(Tensor weight, Tensor packed) -> int", &set_packed);
   m.def("drop_packed(int key) -> ()", &drop_packed);
   m.def("num_packed() -> int", &num_packed);
