@@ -10,7 +10,8 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   4 rows (float32: 1.0-1.6x oneDNN; bfloat16: 1.5-2.3x), and up to 16 bfloat16 rows on CPUs
   with AVX512-BF16 dot products (1.1-1.5x at 8-16 rows). Since then it reads each thread's
   rows as a single stream, which made one-row products another 1.25-1.4x faster, and takes
-  float32 products up to 16 rows on AVX2 and 8 on AVX-512 (the measured crossovers below).
+  float32 products up to 16 rows on AVX2 and 12 on AVX-512 (the measured crossovers below);
+  on Intel CPUs each thread reads several far-apart streams at once (`weight_streams`).
 
 oneDNN builds and caches a primitive for every distinct row count (~0.55 MB each with the
 weight shape, in two caches of 1024 entries), so a server whose per-step token counts keep
@@ -56,8 +57,11 @@ AVX2_F32_MAX_ROWS = 16
 # AVX-512's 4 x 4 tiles against oneDNN's prepacked float32 products, same step of the 50M
 # Llama's 33 products on cold weights (Intel Xeon with AVX-512 + AMX, 2 threads, medians of 5
 # interleaved rounds, two runs): 5 rows 1.17x, 6 1.12x, 8 1.12-1.17x, 10 0.95x, 12 0.92-1.01x,
-# 16 0.93x. (The earlier limit of 4 came from a Zen 4 machine.)
-AVX512_F32_MAX_ROWS = 8
+# 16 0.93x. (The earlier limit of 4 came from a Zen 4 machine.) Since the tiles read 4 weight
+# streams, walk K in blocks of 256 and prefetch once per block (csrc), the 0.5B shape's 97
+# products and the 50M Llama's 33 (same machine, 8 streams, two runs each): 10 rows 1.31x /
+# 1.32x, 12 1.19-1.24x / 1.08-1.24x, 14 1.08x / 1.20x, 16 0.96x / 1.02x.
+AVX512_F32_MAX_ROWS = 12
 BF16_DOT_MAX_ROWS = 16
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
 # machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x

@@ -23,8 +23,8 @@ cached like any other:
   - compiled models call the dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py,
     `cpu_linear_op`) for every float32 CPU linear, prepacked or not. It computes with the copy
     for products of more rows than the small-M kernel takes (layers/cpu_linear.py's limits
-    per dtype and ISA: float32 4, 8 on AVX-512, 16 on AVX2); fewer rows (small-batch decode) and a
-    weight without a current copy (never prepacked, or changed in place since) take its other
+    per dtype and ISA: float32 4, 12 on AVX-512, 16 on AVX2); fewer rows (small-batch decode)
+    and a weight without a current copy (never prepacked, or changed in place since) take its other
     routes (the small-M kernel reads the plain weight faster than oneDNN).
 `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) prepacks the decoder's linears
 and the LM head (ParallelLMHead, applied eagerly through `dispatch_linear`). Without the C++
