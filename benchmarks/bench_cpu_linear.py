@@ -22,6 +22,7 @@ shows the noise floor: on the loaded 2-core dev machine identical workers differ
 
     python benchmarks/bench_cpu_linear.py --shape qwen2.5-0.5b --rows 1 2 4 16
     python benchmarks/bench_cpu_linear.py --isa avx2 avx512_bf16 --dtype bfloat16 --rounds 3
+    python benchmarks/bench_cpu_linear.py --streams 1 8 --rows 1 2 4 8   # weight streams
 
 `--compare-source old.cpp` adds, for every level, a worker whose kernels are built from another
 version of csrc/cpu_small_m_linear.cpp (e.g. `git show HEAD~1:<path> > old.cpp`), and a column
@@ -102,14 +103,17 @@ def worker(args: argparse.Namespace) -> None:
 
 class Worker:
     def __init__(self, isa: str, args: argparse.Namespace, dtype: str,
-                 source: str | None = None) -> None:
+                 source: str | None = None, streams: int | None = None) -> None:
         env = dict(os.environ, VLLM_CPU_ISA=isa)
+        if streams:
+            env["VLLM_CPU_LINEAR_STREAMS"] = str(streams)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shape", args.shape,
                "--threads", str(args.threads), "--dtype", dtype]
         if source:
             cmd += ["--source", source]
         self.isa = isa
-        self.label = f"{isa} ({os.path.basename(source)})" if source else isa
+        self.label = isa + (f" s{streams}" if streams else "") + (
+            f" ({os.path.basename(source)})" if source else "")
         self.twin: Worker | None = None  # the same level built from --compare-source
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
@@ -138,10 +142,11 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[dict], float]:
     workers = []
     try:
         for isa in args.isa:  # one at a time: their builds and weights do not overlap
-            workers.append(Worker(isa, args, dtype))
-            if args.compare_source:
-                workers.append(Worker(isa, args, dtype, args.compare_source))
-                workers[-2].twin = workers[-1]
+            for streams in args.streams or [None]:
+                workers.append(Worker(isa, args, dtype, streams=streams))
+                if args.compare_source:
+                    workers.append(Worker(isa, args, dtype, args.compare_source, streams))
+                    workers[-2].twin = workers[-1]
         nbytes = workers[0].nbytes
         results = []
         for rows in args.rows:
@@ -204,6 +209,9 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
     parser.add_argument("--out", default=os.path.join(HERE, "results", "cpu_linear_isa"))
+    parser.add_argument("--streams", type=int, nargs="+", default=None, choices=[1, 2, 4, 8],
+                        help="weight streams per thread to compare (VLLM_CPU_LINEAR_STREAMS), "
+                             "one worker per level and count; default: the CPU's default only")
     parser.add_argument("--compare-source", default=None,
                         help="another cpu_small_m_linear.cpp to build and compare at each level")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -233,22 +241,24 @@ def main() -> None:
     meta = {"shape": args.shape, "weights_gb": {d: n / 1e9 for d, n in sizes.items()},
             "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
             "cpu_best_isa": best_isa_level(), "isa": args.isa,
-            "compare_source": args.compare_source}
+            "compare_source": args.compare_source, "streams": args.streams}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
     weights = ", ".join(f"{n / 1e9:.2f} GB of {d}" for d, n in sizes.items())
+    first = results[0]["isa"]  # the first worker's label: what "vs" compares with
     lines = [f"All linears of one decode step of the {args.shape} shape ({weights} weights, "
              f"cold), {args.threads} threads, {args.rounds} interleaved rounds, the kernels "
-             f"built for each ISA level in a worker process of its own (CPU's best level: "
+             f"built for each ISA level (and weight-stream count, `s<N>`) in a worker process "
+             f"of its own (CPU's best level: "
              f"{meta['cpu_best_isa']}; `python benchmarks/bench_cpu_linear.py`). ours = "
              "`vllm_cpu_linear::linear` (small-M kernel for a few rows, oneDNN or aten above); "
              "ms and GB/s from the fastest round; of bandwidth = median over rounds of our read "
              "rate / the same round's 512 MiB float32 sum rate; the ratios are medians over "
              f"rounds of paired times (>1: ours / this level faster).", "",
              f"| dtype | ISA | rows | ours (ms) | ours (GB/s) | of bandwidth | "
-             f"sum bandwidth (GB/s) | F.linear (ms) | vs F.linear | vs {args.isa[0]} | "
-             f"vs {args.isa[0]} per bandwidth | vs source | vs source per bandwidth |",
+             f"sum bandwidth (GB/s) | F.linear (ms) | vs F.linear | vs {first} | "
+             f"vs {first} per bandwidth | vs source | vs source per bandwidth |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         vs_source = (f"x{r['vs_source']:.2f} | x{r['vs_source_per_bw']:.2f}"

@@ -14,15 +14,17 @@
 // only about half of the memory bandwidth there on the dev machines (bfloat16: ~15 of ~30 GB/s
 // with cold weights), so this kernel does the plain thing: each thread reads its contiguous
 // range of weight rows front to back, one row at a time, as a single stream, prefetching
-// kPrefetchBytes ahead of where it reads (the stream runs on into the next rows), and dots each
-// row with every row of x. Accumulation is in float32; the result is rounded to x's dtype once
-// (as oneDNN does). K is walked in blocks, so that a block of the weight stays in L1 while
-// every group of four x rows passes over it.
+// g_prefetch_bytes ahead of where it reads (the stream runs on into the next rows), and dots
+// each row with every row of x. Accumulation is in float32; the result is rounded to x's dtype
+// once (as oneDNN does). K is walked in blocks, so that a block of the weight stays in L1 while
+// every group of four x rows passes over it. Where one stream per core keeps too few reads in
+// flight (Intel CPUs: g_streams), each thread cuts its range into that many far-apart parts
+// and reads them side by side in lockstep, each part one stream.
 //
 // That holds while x stays in L1. Three or more rows of x that do not fit there next to the
 // weight rows being read (kStreamL1Bytes) would be read again from L2 for every weight row, so
-// then four weight rows are read side by side (four streams, the next four prefetched) and
-// share each read of x.
+// then four weight rows are read side by side (adjacent, the next four prefetched; or with
+// g_streams > 1 four far-apart streams) and share each read of x.
 //
 // Measured on the dev machine (Zen 3, 2 threads, float32 unless said, paired rounds), against
 // the kernel before, which always read four rows side by side:
@@ -154,7 +156,8 @@ inline float hsum(vf v) {
 // > 0.
 template <int NR, typename T>
 inline const T* prefetch_at(const T* w, int64_t K, int64_t rs, int i, int64_t k) {
-  if (NR == 1 || rs != K) return w + i * rs + k + g_prefetch_bytes / static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = g_prefetch_bytes / static_cast<int64_t>(sizeof(T));
+  if (NR == 1 || rs != K) return w + i * rs + k + ahead;
   return w + (i + NR) * K + k;
 }
 
