@@ -314,7 +314,11 @@ def isa_info() -> dict:
         isa = "AVX2" + (" + FMA" if "fma" in flags else "")
     else:
         isa = platform.machine()
-    return {"cpu": model, "isa": isa, "flags": present, "logical_cpus": os.cpu_count()}
+    from vllm.utils.cpu_info import cpu_isa_level
+
+    # the level our C++ kernels are built for in the engine's workers (VLLM_CPU_ISA lowers it)
+    return {"cpu": model, "isa": isa, "flags": present, "logical_cpus": os.cpu_count(),
+            "our_kernels": cpu_isa_level()}
 
 
 def write_bf16_copy(src: str, dst: str) -> str:
@@ -483,7 +487,8 @@ def markdown(summary: dict) -> str:
         f"(the best of {len(bw['readings'])} readings in this run, one per round and one at "
         f"the end: {', '.join(fmt(b) for b in bw['readings'])}; each the best of 5 sums "
         f"and 5 gemv (torch.mv) of a 1.5 GiB float32 array on {summary['threads']} "
-        f"threads).",
+        f"threads). Our C++ kernels built for: {m.get('our_kernels', '?')}"
+        + (" (VLLM_CPU_ISA)." if os.environ.get("VLLM_CPU_ISA") else "."),
         f"llama.cpp: llama-cpp-python {summary['llama_cpp'].get('version', '?')}, "
         f"flash attention {summary['llama_cpp'].get('flash_attn', '?')}, KV cache "
         f"{summary['llama_cpp'].get('kv_cache_type', '?')} (llama.cpp's defaults: auto, f16), "
