@@ -87,12 +87,12 @@ def small_m_linear_available() -> bool:
     if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR"):
         return False
     if not _configured:
-        distance = prefetch_bytes()  # a bad VLLM_CPU_LINEAR_PREFETCH_BYTES or
-        weight_streams()  # VLLM_CPU_LINEAR_STREAMS stops here
+        # a bad VLLM_CPU_LINEAR_STREAMS or VLLM_CPU_LINEAR_PREFETCH_BYTES stops here
+        streams, distance = weight_streams(), prefetch_bytes()
         torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
                                             onednn_linear_enabled(), bf16_widened())
         torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
-        torch.ops.vllm_cpu_linear.streams(weight_streams())
+        torch.ops.vllm_cpu_linear.streams(streams)
         _configured = True
     return True
 
