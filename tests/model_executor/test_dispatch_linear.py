@@ -290,22 +290,6 @@ def test_prefetch_distance_default_env_and_results(monkeypatch):
 
 # ---- weight streams per thread (per CPU vendor) ---------------------------------------------
 
-def test_cpu_vendor_is_read_from_cpuinfo(tmp_path, monkeypatch):
-    from vllm.utils import cpu_info
-    fake = tmp_path / "cpuinfo"
-    fake.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n")
-    monkeypatch.setattr(cpu_info, "CPUINFO", str(fake))
-    cpu_info.cpu_vendor.cache_clear()
-    try:
-        assert cpu_info.cpu_vendor() == "AuthenticAMD"
-        fake.write_text("processor\t: 0\n")
-        cpu_info.cpu_vendor.cache_clear()
-        assert cpu_info.cpu_vendor() == ""
-    finally:
-        monkeypatch.undo()
-        cpu_info.cpu_vendor.cache_clear()
-
-
 def test_weight_streams_default_per_vendor_and_env(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_LINEAR_STREAMS", raising=False)
     for vendor, expected in (("GenuineIntel", 8), ("AuthenticAMD", 1), ("", 1)):

@@ -33,9 +33,9 @@ def fake_cpuinfo(tmp_path, monkeypatch):
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", counting_open)
-    cpu_info.cpu_flags_line.cache_clear()
+    cpu_info.cpuinfo_lines.cache_clear()
     yield opened
-    cpu_info.cpu_flags_line.cache_clear()
+    cpu_info.cpuinfo_lines.cache_clear()
 
 
 def test_flags_parsed(fake_cpuinfo):
@@ -53,19 +53,33 @@ def test_every_user_shares_one_read(fake_cpuinfo):
     cpu_info.cpu_flags()
     cpu_info.cpu_flags_text()
     assert cpu_kernels.cpu_flags_text() == "fpu sse2 avx2 amx_bf16 avx512f"
+    assert cpu_info.cpu_vendor() == "GenuineIntel"  # the linear kernels' stream default
     assert len(fake_cpuinfo) == 1
+
+
+def test_vendor_missing_is_empty(tmp_path, monkeypatch):
+    path = tmp_path / "cpuinfo"
+    path.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
+    monkeypatch.setattr(cpu_info, "CPUINFO", str(path))
+    cpu_info.cpuinfo_lines.cache_clear()
+    try:
+        assert cpu_info.cpu_vendor() == ""
+        assert cpu_info.cpu_flags() == {"fpu", "avx2"}
+    finally:
+        cpu_info.cpuinfo_lines.cache_clear()
 
 
 def test_no_cpuinfo(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_info, "CPUINFO", str(tmp_path / "missing"))
     monkeypatch.setattr(cpu_info.platform, "machine", lambda: "arm64")
-    cpu_info.cpu_flags_line.cache_clear()
+    cpu_info.cpuinfo_lines.cache_clear()
     try:
         assert cpu_info.cpu_flags() == frozenset()
         assert cpu_info.cpu_flags_text() == "arm64"
         assert not cpu_info.cpu_has_native_bf16()
+        assert cpu_info.cpu_vendor() == ""
     finally:
-        cpu_info.cpu_flags_line.cache_clear()
+        cpu_info.cpuinfo_lines.cache_clear()
 
 
 def test_only_cpu_info_opens_proc_cpuinfo():

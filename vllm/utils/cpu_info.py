@@ -22,31 +22,35 @@ CPUINFO = "/proc/cpuinfo"
 
 
 @functools.cache
+def cpuinfo_lines() -> dict[str, str]:
+    """The first "flags" and "vendor_id" lines of /proc/cpuinfo, as the kernel writes them
+    (newline included), by key; the one read of the file per process. Empty where there is no
+    such file (macOS, some containers)."""
+    lines: dict[str, str] = {}
+    try:
+        with open(CPUINFO) as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("flags", "vendor_id") and ":" in line:
+                    lines.setdefault(key, line)
+                    if len(lines) == 2:
+                        break
+    except OSError:
+        pass
+    return lines
+
+
 def cpu_flags_line() -> str:
     """The first "flags" line of /proc/cpuinfo, as the kernel writes it (newline included);
     "" where there is no such file or line (macOS, some containers)."""
-    try:
-        with open(CPUINFO) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_lines().get("flags", "")
 
 
-@functools.cache
 def cpu_vendor() -> str:
     """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"); "" where
     unknown."""
-    try:
-        with open(CPUINFO) as f:
-            for line in f:
-                if line.startswith("vendor_id") and ":" in line:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    line = cpuinfo_lines().get("vendor_id", "")
+    return line.split(":", 1)[1].strip() if line else ""
 
 
 def cpu_flags() -> frozenset[str]:
