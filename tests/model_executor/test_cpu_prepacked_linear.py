@@ -1,6 +1,6 @@
-"""Prepacked weights in the C++ linear dispatcher (`vllm_cpu_linear::linear`): the oneDNN-
-reordered weight gives F.linear's result for every row count, a weight changed in place (or
-never prepacked) falls back to the plain weight, the reordered copy is dropped with its
+"""Prepacked weights in the C++ linear dispatcher (`vllm_cpu_linear::linear`): the panel copy
+(and the routes beside it) gives F.linear's result for every row count, a weight changed in
+place (or never prepacked) falls back to the plain weight, the copy is dropped with its
 parameter; the Python fallback op `vllm::cpu_prepacked_linear` matches too."""
 from __future__ import annotations
 
@@ -12,26 +12,36 @@ import torch
 import torch.nn.functional as F
 
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
-from vllm.model_executor.layers.cpu_linear import _max_rows, linear_route, small_m_linear_available
+from vllm.model_executor.layers.cpu_linear import (
+    _max_rows,
+    linear_route,
+    panel_rows,
+    small_m_linear_available,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available() or not small_m_linear_available(),
     reason="needs oneDNN and the C++ linear dispatcher")
 linear = torch.ops.vllm_cpu_linear.linear if small_m_linear_available() else None
-# Rows beyond the small-M kernel's (4, or 16 on AVX2): products that take the oneDNN routes.
+# Rows beyond the small-M kernel's (12 on AVX-512, 16 on AVX2): products that take the panel
+# copy when there is one, else oneDNN.
 ROWS = _max_rows(torch.float32) + 4 if small_m_linear_available() else 8
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 16, 17, 77])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 16, 17, 64, 65, 77])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_linear(rows, bias):
+    """Rows in the panel kernel's range take the panel copy, fewer the small-M kernel on the
+    plain weight, more oneDNN on the plain weight; every route gives F.linear's result."""
     torch.manual_seed(rows)
     weight = torch.nn.Parameter(torch.randn(48, 32), requires_grad=False)
     b = torch.randn(48) if bias else None
     assert cpl.prepack(weight)
     x = torch.randn(rows, 32)
-    small = rows <= _max_rows(torch.float32)
-    assert linear_route(x, weight, b) == ("small_m" if small else "packed")
+    lo, hi = panel_rows()
+    expected = ("packed" if lo <= rows <= hi
+                else "small_m" if rows <= _max_rows(torch.float32) else "onednn")
+    assert linear_route(x, weight, b) == expected
     out = linear(x, weight, b)
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.ops.vllm.cpu_prepacked_linear(x, weight, b),
@@ -184,3 +194,56 @@ def test_a_process_exiting_while_prepacking_exits_cleanly(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "exiting" in result.stdout and "terminate called" not in result.stderr
+
+
+# ---- the panel kernel (csrc/cpu_panel_linear.h) ----------------------------------------------
+
+def test_pack_panels_layout():
+    """Panel p holds weight rows 16p..16p+15 column by column ([p][k][c] = W[16p + c][k]), the
+    last panel's missing rows zero."""
+    w = torch.randn(37, 5)
+    panels = torch.ops.vllm_cpu_linear.pack_panels(w)
+    assert panels.shape == (3, 5, 16)
+    padded = torch.cat([w, torch.zeros(11, 5)])
+    torch.testing.assert_close(panels, padded.view(3, 16, 5).transpose(1, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_panel_kernel_computes_the_product(n_threads):
+    """Every row count through the tiles and their leftovers (1..30, chunks of 64 and more),
+    output columns that end inside a panel or a group of panels, K tails around the K block,
+    bias or not, a row-strided x: the product within float32 rounding (float64 reference)."""
+    op = torch.ops.vllm_cpu_linear
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
+        torch.manual_seed(n_threads)
+        for n, k in ((1, 3), (16, 256), (33, 257), (50, 600), (96, 1)):
+            w = torch.randn(n, k)
+            b = torch.randn(n)
+            panels = op.pack_panels(w)
+            for rows in [*range(1, 31), 64, 65, 131]:
+                x = torch.randn(rows, k + 3)[:, 2:k + 2]  # row stride k + 3
+                for bias in (None, b):
+                    ref = x.double() @ w.double().t()
+                    if bias is not None:
+                        ref = ref + bias.double()
+                    got = op.panel_linear(x, panels, n, bias)
+                    assert got.shape == (rows, n)
+                    torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-4,
+                                               msg=f"{rows} x [{n}, {k}], bias {bias is not None}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_panel_kernel_rejects_what_does_not_fit():
+    op = torch.ops.vllm_cpu_linear
+    panels = op.pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="panels"):
+        op.panel_linear(torch.randn(2, 9), panels, 20, None)  # K 9 against 8
+    with pytest.raises(RuntimeError, match="panels"):
+        op.panel_linear(torch.randn(2, 8), panels, 40, None)  # N needs 3 panels
+    with pytest.raises(RuntimeError, match="bias"):
+        op.panel_linear(torch.randn(2, 8), panels, 20, torch.randn(19))
+    with pytest.raises(RuntimeError, match="float32"):
+        op.pack_panels(torch.randn(20, 8, dtype=torch.bfloat16))

@@ -90,10 +90,10 @@ def widened_policy():
     """The C++ dispatcher told to widen bfloat16 products of more than 4 rows (as on an AVX2
     CPU), whatever this machine is; the process's own policy is restored after."""
     f32, bf16 = cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16)
-    torch.ops.vllm_cpu_linear.configure(f32, 4, True, True)
+    torch.ops.vllm_cpu_linear.configure(f32, 4, True, True, *cpu_linear.panel_rows())
     yield
     torch.ops.vllm_cpu_linear.configure(f32, bf16, cpu_linear.onednn_linear_enabled(),
-                                        cpu_linear.bf16_widened())
+                                        cpu_linear.bf16_widened(), *cpu_linear.panel_rows())
 
 
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
@@ -335,3 +335,27 @@ def test_every_stream_count_computes_the_product(dtype):
     finally:
         op.streams(before)
         torch.set_num_threads(threads)
+
+
+def test_panel_rows_follow_the_isa(monkeypatch):
+    """Products with a panel copy take the panel kernel from 5 rows on AVX-512 (where it
+    measured faster than the small-M kernel), elsewhere from the first row count the small-M
+    kernel does not take; up to PANEL_MAX_ROWS, beyond which oneDNN on the plain weight is
+    faster. The dispatcher is configured with the same range."""
+    if not cpu_linear.small_m_linear_available():
+        pytest.skip("the C++ linear dispatcher could not be built")
+    assert (cpu_linear.PANEL_MIN_ROWS, cpu_linear.PANEL_MAX_ROWS) == (5, 64)
+    for isa, rows in (("avx2", (17, 64)), ("avx512", (5, 64)), ("avx512_bf16", (5, 64)),
+                      ("native", (5, 64))):
+        monkeypatch.setattr(cpu_linear, "_max_rows_cache", {})
+        monkeypatch.setattr(torch.ops.vllm_cpu_linear, "isa", lambda isa=isa: isa)
+        assert cpu_linear.panel_rows() == rows, isa
+    monkeypatch.undo()
+    cpu_linear._max_rows_cache.clear()
+    lo, hi = cpu_linear.panel_rows()
+    w = torch.nn.Parameter(torch.randn(24, 8), requires_grad=False)
+    from vllm.model_executor.layers.cpu_prepacked_linear import prepack
+
+    assert prepack(w)
+    routes = {rows: cpu_linear.linear_route(torch.randn(rows, 8), w) for rows in range(1, 80)}
+    assert {r for r, route in routes.items() if route == "packed"} == set(range(lo, hi + 1))

@@ -12,6 +12,11 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   rows as a single stream, which made one-row products another 1.25-1.4x faster, and takes
   float32 products up to 16 rows on AVX2 and 12 on AVX-512 (the measured crossovers below);
   on Intel CPUs each thread reads several far-apart streams at once (`weight_streams`).
+- batched decode products (5..64 rows) are bound by the FMAs' use of loads more than by the
+  weight's reads: -O2/-O3 keep a copy of each float32 weight in column panels (16 output
+  columns by K), which the panel kernel (csrc/cpu_panel_linear.h) multiplies as outer products
+  into tiles of rows x panels, 1.4-1.5x oneDNN's prepacked products at 12-16 rows
+  (`panel_rows`, PANEL_MIN_ROWS).
 
 oneDNN builds and caches a primitive for every distinct row count (~0.55 MB each with the
 weight shape, in two caches of 1024 entries), so a server whose per-step token counts keep
@@ -27,8 +32,8 @@ to float32 block by block for oneDNN ("widened"; `bf16_widened()`). Other produc
 dtypes, other devices) keep `F.linear`, and so does traced code (torch.compile: Inductor
 lowers `F.linear` itself). The choice is made in C++
 (`vllm_cpu_linear::linear`, csrc/cpu_small_m_linear.cpp: choosing in Python cost ~5 us a call),
-which also serves compiled models as an opaque op (`cpu_linear_op`) and computes with weights
-prepacked for oneDNN (cpu_prepacked_linear.py). The kernels are built at first use for the
+which also serves compiled models as an opaque op (`cpu_linear_op`) and computes with the panel
+copies of prepacked weights (cpu_prepacked_linear.py). The kernels are built at first use for the
 process's ISA level (vllm/utils/cpu_kernels.py: avx2, avx512 or avx512_bf16, VLLM_CPU_ISA to
 force a lower one; `torch.ops.vllm_cpu_linear.isa()` says which), with vectors and tiles sized
 for that level's registers; when the build fails the same routes are taken in Python.
@@ -45,8 +50,9 @@ import torch.nn.functional as F
 from vllm.utils.cpu_info import cpu_vendor
 from vllm.utils.cpu_kernels import load_cpu_extension, switched_off
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc",
-                       "cpu_small_m_linear.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCE = os.path.join(_CSRC, "cpu_small_m_linear.cpp")
+_PANEL_HEADER = os.path.join(_CSRC, "cpu_panel_linear.h")
 # Most rows a product may have for the small-M kernel (measured crossovers against oneDNN on
 # cold weights; bfloat16 with AVX512-BF16 dot products goes further).
 SMALL_M_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 4}
@@ -63,6 +69,16 @@ AVX2_F32_MAX_ROWS = 16
 # 1.32x, 12 1.19-1.24x / 1.08-1.24x, 14 1.08x / 1.20x, 16 0.96x / 1.02x.
 AVX512_F32_MAX_ROWS = 12
 BF16_DOT_MAX_ROWS = 16
+# Float32 products with a panel copy of the weight (csrc/cpu_panel_linear.h; -O2/-O3 prepack
+# one): the panel kernel for PANEL_MIN_ROWS..PANEL_MAX_ROWS rows on AVX-512, the small-M kernel
+# for fewer rows, oneDNN on the plain weight for more. Against oneDNN's prepacked products
+# (Intel Xeon, AVX-512, 2 threads; the 50M Llama's layer products, 46 MB, so mostly from L3;
+# paired rounds, best of 5-9, a loaded host: ranges over runs): 4 rows 1.7x (small-M 1.9x),
+# 6-8 rows 1.6-1.8x (small-M 1.3x), 12-16 rows 1.4-1.5x (small-M 0.9-1.0x), 24-32 1.1-1.3x,
+# 48-64 0.94-1.1x, 128 0.85-0.9x, 512-2048 0.8-0.9x; oneDNN on the plain weight 0.75-0.85x
+# up to 64 rows, 0.9x at 512-2048 (it reorders the weight each call).
+PANEL_MIN_ROWS = 5
+PANEL_MAX_ROWS = 64
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
 # machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x
 # at 256; both ~1.5-5x aten's bfloat16 GEMM from 8 rows on).
@@ -84,17 +100,28 @@ def small_m_linear_available() -> bool:
     """Build (first call on this machine) and load the C++ linear kernels; True when usable.
     The first successful load also tells the C++ dispatcher the routing policy."""
     global _configured
-    if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR"):
+    if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR",
+                              source_text=read_source(_SOURCE)):
         return False
     if not _configured:
         # a bad VLLM_CPU_LINEAR_STREAMS or VLLM_CPU_LINEAR_PREFETCH_BYTES stops here
         streams, distance = weight_streams(), prefetch_bytes()
         torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
-                                            onednn_linear_enabled(), bf16_widened())
+                                            onednn_linear_enabled(), bf16_widened(),
+                                            *panel_rows())
         torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
         torch.ops.vllm_cpu_linear.streams(streams)
         _configured = True
     return True
+
+
+def read_source(path: str) -> str:
+    """The kernels' source (`path`: csrc/cpu_small_m_linear.cpp, or a copy of another version
+    of it) with csrc/cpu_panel_linear.h pasted in place of its #include."""
+    with open(_PANEL_HEADER) as f:
+        header = f.read()
+    with open(path) as f:
+        return f.read().replace('#include "cpu_panel_linear.h"', header)
 
 
 _configured = False
@@ -179,6 +206,15 @@ def _max_rows(dtype: torch.dtype) -> int:
             rows = BF16_WIDENED_MIN_ROWS - 1
         _max_rows_cache[dtype] = rows
     return rows
+
+
+def panel_rows() -> tuple[int, int]:
+    """(fewest, most) rows of the float32 products that take the panel kernel when the weight
+    has a panel copy (prepacked, -O2/-O3): from PANEL_MIN_ROWS on AVX-512, else from the first
+    row count the small-M kernel does not take; up to PANEL_MAX_ROWS."""
+    if torch.ops.vllm_cpu_linear.isa().startswith("avx512"):
+        return PANEL_MIN_ROWS, PANEL_MAX_ROWS
+    return _max_rows(torch.float32) + 1, PANEL_MAX_ROWS
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -1,31 +1,34 @@
-"""Linear weights prepacked for oneDNN once, used by compiled graphs through an opaque op.
+"""Linear weights packed once into column panels, used by compiled graphs through an opaque op.
 
 Inductor lowers a float32 `F.linear` on the CPU to MKL's sgemm, which on the dev machines runs
 decode-sized products several times slower than oneDNN on a weight reordered into its blocked
 layout (16 x 256 -> 768: MKL 113 us, oneDNN on the plain weight 51 us, on the reordered weight
-28 us). Inductor freezing does that reorder, but it folds the weights into the compiled code
+28 us). Inductor freezing does such a reorder, but it folds the weights into the compiled code
 as mkldnn tensors, which neither Inductor's cache nor ours can save: every start compiles
 again. Here the weights stay graph inputs, so the compiled code holds no weight and is
 cached like any other:
-  - `prepack(weight)` reorders one loaded weight (after loading, once) and hands the copy to
-    the C++ linear dispatcher (`vllm_cpu_linear::set_packed`), keyed by the weight's storage,
-    until the parameter is freed. The engine queues its weights with `prepack_in_background`
-    as they load, and when it is ready (`finish_prepacking_in_background()`) a thread reorders
-    them (the reorder releases the GIL) while the engine serves: products with a weight not
-    prepacked yet take the plain weight's routes (equal up to float rounding), and the thread
-    logs when it is done and ends. On the Qwen2.5-0.5B shape the reorders take ~1 s of the two
-    cores. Waiting for them before ready made a warm -O2 start ~0.7 s longer; reordering while
-    the engine still loaded (the thread started with the first weight) made it 4 s longer with
-    the default 4 GiB KV cache: its OpenMP team and the main thread's (the weight copies, the
-    KV cache's zero fill) oversubscribed the two cores, and the zero fill took 5.2-5.5 s
-    instead of 1.2-1.3 s (8.6 s to ready instead of 4.6 s). Steady-state
-    measurements call `wait_for_prepacking()` first;
+  - `prepack(weight)` packs one loaded weight (after loading, once) into column panels
+    (`vllm_cpu_linear::pack_panels`: 16 output columns by K each, csrc/cpu_panel_linear.h) and
+    hands the copy to the C++ linear dispatcher (`vllm_cpu_linear::set_packed`), keyed by the
+    weight's storage, until the parameter is freed. (The copy used to be oneDNN's reorder;
+    the panel kernel runs batched-decode products 1.4-1.5x faster at 12-16 rows, and
+    one copy of the weights is all the memory a level may add.) The engine queues its weights
+    with `prepack_in_background` as they load, and when it is ready
+    (`finish_prepacking_in_background()`) a thread packs them (the op releases the GIL) while
+    the engine serves: products with a weight not packed yet take the plain weight's routes
+    (equal up to float rounding), and the thread logs when it is done and ends. On the
+    Qwen2.5-0.5B shape packing takes ~1-3 s of the two cores. Waiting for it before ready
+    made a warm -O2 start ~0.7 s longer; packing while the engine still loaded (the thread
+    started with the first weight) made it 4 s longer with the default 4 GiB KV cache: its
+    OpenMP team and the main thread's (the weight copies, the KV cache's zero fill)
+    oversubscribed the two cores, and the zero fill took 5.2-5.5 s instead of 1.2-1.3 s (8.6 s
+    to ready instead of 4.6 s). Steady-state measurements call `wait_for_prepacking()` first;
   - compiled models call the dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py,
-    `cpu_linear_op`) for every float32 CPU linear, prepacked or not. It computes with the copy
-    for products of more rows than the small-M kernel takes (layers/cpu_linear.py's limits
-    per dtype and ISA: float32 4, 12 on AVX-512, 16 on AVX2); fewer rows (small-batch decode)
-    and a weight without a current copy (never prepacked, or changed in place since) take its other
-    routes (the small-M kernel reads the plain weight faster than oneDNN).
+    `cpu_linear_op`) for every float32 CPU linear, prepacked or not. It computes with the panel
+    copy for products of `cpu_linear.panel_rows()` rows (5..64 on AVX-512); fewer rows take the
+    small-M kernel on the plain weight (it streams the weight faster), more rows oneDNN on the
+    plain weight, and so does a weight without a current copy (never prepacked, or changed in
+    place since).
 `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) prepacks the decoder's linears
 and the LM head (ParallelLMHead, applied eagerly through `dispatch_linear`). Without the C++
 build there is no prepacking, and compiled models call the Python op below instead.
@@ -45,15 +48,9 @@ from vllm.model_executor.layers.cpu_linear import dispatch_linear, small_m_linea
 
 logger = init_logger(__name__)
 
-PACK_BATCH_HINT = 16
-"""The row count oneDNN picks the packed layout for (a decode batch)."""
-
-
 def can_prepack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
             and weight.dim() == 2 and weight.is_contiguous()
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and small_m_linear_available())
 
 
@@ -65,15 +62,15 @@ def _drop(key: int) -> None:
 
 
 def prepack(weight: torch.Tensor) -> bool:
-    """Reorder `weight` [out, in] for oneDNN and register the copy with the dispatcher; False
-    when the weight is not eligible (not float32 on the CPU, not contiguous, no oneDNN, no
-    C++ build)."""
+    """Pack `weight` [out, in] into column panels and register the copy with the dispatcher;
+    False when the weight is not eligible (not float32 on the CPU, not contiguous, no C++
+    build)."""
     if not can_prepack(weight):
         return False
     version = weight._version
     with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-    if weight._version != version:  # changed in place while it was reordered
+        packed = torch.ops.vllm_cpu_linear.pack_panels(weight.detach())
+    if weight._version != version:  # changed in place while it was packed
         return False
     key = torch.ops.vllm_cpu_linear.set_packed(weight, packed)
     # The entry lives as long as the parameter: its storage (the key) cannot be reused before.
@@ -82,10 +79,10 @@ def prepack(weight: torch.Tensor) -> bool:
 
 
 class _Prepacker(threading.Thread):
-    """A thread reordering queued weights in queue order until it meets the end marker (None),
+    """A thread packing queued weights in queue order until it meets the end marker (None),
     then ending. Started only when no more weights come (the engine is ready).
 
-    It must not outlive its work: a live thread that has run OpenMP regions (the reorders)
+    It must not outlive its work: a live thread that has run OpenMP regions (the packing)
     keeps its own OpenMP team, and the main thread's parallel regions then ran ~2x slower on
     the 2-core dev machine (measured: 37 -> 70 us for a small linear + relu)."""
 
@@ -122,7 +119,7 @@ _prepacker_lock = threading.Lock()
 
 
 def prepack_in_background(weight: torch.Tensor) -> bool:
-    """Queue `weight` for `prepack` on the background thread, which starts reordering at
+    """Queue `weight` for `prepack` on the background thread, which starts packing at
     `finish_prepacking_in_background()`; False when not eligible. Until its copy is
     registered, products with the weight take the unpacked routes (equal up to float
     rounding).
@@ -140,8 +137,8 @@ def prepack_in_background(weight: torch.Tensor) -> bool:
 
 @atexit.register
 def _stop_at_exit() -> None:
-    """At interpreter exit, drop the weights still queued and wait for the reorder in
-    progress: a process that exited right after ready, with the thread inside oneDNN, was
+    """At interpreter exit, drop the weights still queued and wait for the packing in
+    progress: a process that exited right after ready, with the thread inside an op, was
     aborted ("terminate called without an active exception")."""
     with _prepacker_lock:
         threads = [t for t in (_prepacker, *_finishing) if t is not None and t.is_alive()]

@@ -4,8 +4,9 @@
 //       -> y [M, N]
 //   torch.ops.vllm_cpu_linear.has_bf16_dot() -> bool
 //   torch.ops.vllm_cpu_linear.linear(x [..., K], weight [N, K], bias) -> [..., N]
-//       the dispatcher of every CPU linear (end of file): small-M kernel, prepacked oneDNN
-//       weight, oneDNN, aten::linear; `configure`, `set_packed`/`drop_packed`, `linear_route`
+//       the dispatcher of every CPU linear (end of file): small-M kernel, the panel kernel
+//       on a prepacked weight (cpu_panel_linear.h), oneDNN, aten::linear; `configure`,
+//       `set_packed`/`drop_packed`, `linear_route`
 //   torch.ops.vllm_cpu_linear.onednn_rows(rows) -> the row count oneDNN computes with
 //   torch.ops.vllm_cpu_linear.isa() -> the ISA level this library was built for ("avx2",
 //       "avx512", "avx512_bf16"; vllm/utils/cpu_kernels.py builds one level per process)
@@ -544,6 +545,8 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
 
 bool has_bf16_dot() { return kBf16Dot; }
 
+#include "cpu_panel_linear.h"
+
 // ---- the CPU linear dispatcher -------------------------------------------------------------
 // One C++ entry for every CPU product of the linear layers, eager and compiled: picking the
 // kernel in Python cost ~5 us per call (and a Python custom op around it another ~10 us inside
@@ -554,6 +557,10 @@ struct Policy {
   int64_t bf16_small_rows = 4;  // same, bfloat16
   bool onednn = true;           // float32 products with more rows: oneDNN (else aten::linear)
   bool bf16_widened = false;    // bfloat16 products with more rows: widened blocks in oneDNN
+  // float32 products of panel_min_rows..panel_max_rows rows with a weight that has a panel
+  // copy (set_packed): the panel kernel, before any of the routes above
+  int64_t panel_min_rows = 5;
+  int64_t panel_max_rows = 64;
 };
 Policy g_policy;
 
@@ -600,6 +607,14 @@ Route choose(const at::Tensor& x, const at::Tensor& weight,
   const bool bias_dense = !has_bias || (bias->scalar_type() == x.scalar_type() &&
                                         bias->dim() == 1 && bias->is_contiguous());
   const int64_t rows = rows_of(x);
+  if (x.scalar_type() == at::kFloat && rows >= g_policy.panel_min_rows &&
+      rows <= g_policy.panel_max_rows && bias_dense) {
+    at::Tensor p = find_packed(weight);
+    if (p.defined()) {
+      if (packed) *packed = p;
+      return Route::kPacked;
+    }
+  }
   const int64_t small = x.scalar_type() == at::kFloat      ? g_policy.f32_small_rows
                         : x.scalar_type() == at::kBFloat16 ? g_policy.bf16_small_rows
                                                            : 0;
@@ -608,11 +623,6 @@ Route choose(const at::Tensor& x, const at::Tensor& weight,
       rows > 0 && weight.is_contiguous() && bias_dense)
     return Route::kWidened;
   if (x.scalar_type() != at::kFloat) return Route::kAten;
-  at::Tensor p = find_packed(weight);
-  if (p.defined()) {
-    if (packed) *packed = p;
-    return Route::kPacked;
-  }
   return g_policy.onednn ? Route::kOneDnn : Route::kAten;
 }
 
@@ -725,18 +735,16 @@ at::Tensor as_rows(const at::Tensor& x) {
 }
 
 // F.linear(x, weight, bias) for x [..., K], weight [N, K]: the small-M kernel for a few rows,
-// the weight's oneDNN-reordered copy when one is registered and current (float32), oneDNN on
-// the plain weight (float32), aten::linear otherwise.
+// the panel kernel on the weight's packed copy when one is registered and current (float32),
+// oneDNN on the plain weight (float32), aten::linear otherwise.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
   at::Tensor packed;
   switch (choose(x, weight, bias, &packed)) {
     case Route::kSmallM:
       return small_m_linear(as_rows(x), weight, bias).view(out_sizes(x, weight));
-    case Route::kPacked: {
-      at::Tensor x2 = x.reshape({rows_of(x), x.size(-1)}).contiguous();
-      return onednn_linear(x2, packed, bias).view(out_sizes(x, weight));
-    }
+    case Route::kPacked:
+      return panel_linear(as_rows(x), packed, weight.size(0), bias).view(out_sizes(x, weight));
     case Route::kOneDnn:
       if (x.dim() == 2 && x.stride(1) == 1) return onednn_linear(x, weight, bias);
       return onednn_linear(as_rows(x), weight, bias).view(out_sizes(x, weight));
@@ -767,13 +775,19 @@ int64_t streams(int64_t n) {
 }
 
 void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
-               bool bf16_widened) {
-  g_policy = Policy{f32_small_rows, bf16_small_rows, onednn, bf16_widened};
+               bool bf16_widened, int64_t panel_min_rows, int64_t panel_max_rows) {
+  g_policy = Policy{f32_small_rows, bf16_small_rows, onednn,
+                    bf16_widened,   panel_min_rows,  panel_max_rows};
 }
 
-// Keep `packed` (the oneDNN reorder of `weight`) for products with `weight` while the weight
+// Keep `packed` (the weight's panels, pack_panels) for products with `weight` while the weight
 // keeps its storage, shape and version (an in-place change makes the copy stale: not used).
 int64_t set_packed(const at::Tensor& weight, const at::Tensor& packed) {
+  TORCH_CHECK(weight.dim() == 2 && packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous() && packed.size(0) == (weight.size(0) + kPanel - 1) / kPanel &&
+                  packed.size(1) == weight.size(1) && packed.size(2) == kPanel,
+              "set_packed: the weight's panels (pack_panels) expected, got a tensor of shape ",
+              packed.sizes());
   std::lock_guard<std::mutex> guard(g_packed_mutex);
   g_packed[weight.data_ptr()] = Packed{weight._version(), weight.sizes().vec(), packed};
   return reinterpret_cast<int64_t>(weight.data_ptr());
@@ -824,10 +838,16 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.def("linear_route(Tensor x, Tensor weight, Tensor? bias=None) -> str", &linear_route);
   m.def("onednn_rows(int rows) -> int", &onednn_rows);
   m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn, "
-        "bool bf16_widened=False) -> ()", &configure);
+        "bool bf16_widened=False, int panel_min_rows=5, int panel_max_rows=64) -> ()",
+        &configure);
   m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
   m.def("streams(int n=-1) -> int", &streams);
   m.def("set_packed(Tensor weight, Tensor packed) -> int", &set_packed);
   m.def("drop_packed(int key) -> ()", &drop_packed);
   m.def("num_packed() -> int", &num_packed);
+  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
+  m.def("panel_linear(Tensor x, Tensor panels, int N, Tensor? bias=None) -> Tensor");
+  m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
+  m.def("panel_prefetch_lines(int lines=-1) -> int", &panel_prefetch_lines);
 }

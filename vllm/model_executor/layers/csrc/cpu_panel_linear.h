@@ -1,0 +1,190 @@
+// y = x W^T (+ b) for float32 x on a weight packed in column panels (the -O2 prepacked copy).
+//
+//   torch.ops.vllm_cpu_linear.pack_panels(weight [N, K] float32) -> panels [ceil(N/16), K, 16]
+//   torch.ops.vllm_cpu_linear.panel_linear(x [M, K], panels, N, bias [N] or None) -> y [M, N]
+//
+// Pasted into cpu_small_m_linear.cpp's anonymous namespace (cpu_linear.py's read_source), after
+// its vector type `vf`, `load` and kLanes.
+//
+// Panel p holds weight rows 16p .. 16p+15 (output columns of y) column by column: element
+// [p][k][c] is W[16p + c][k], rows past N zero. A step over k loads one cache line of each panel
+// (16 output columns) and multiplies it by one element of each x row, broadcast: an outer
+// product into a tile of MR x rows by NP panels of accumulators, no reduction across lanes at
+// the end, and each weight line read once per tile for all of its x rows (the dot-product tiles
+// of the small-M kernel load an x vector and a weight vector for every FMA pair, and reduce
+// every accumulator across its lanes at the end).
+//
+// Loops: each thread takes a range of panel groups (NP panels, kPanelTileP); for a group, x's
+// rows are taken kPanelChunkRows at a time, K in blocks of kPanelKBlock (the group's block of
+// the weight, NP x 16 KB, stays in L1 while every MR-row tile of the chunk passes over it), the
+// accumulators are written back to y between blocks. The first tile over a block prefetches the
+// panels' lines g_panel_prefetch_lines ahead.
+
+// Output columns per panel (one cache line of float32).
+constexpr int64_t kPanel = 16;
+constexpr int kPanelVecs = static_cast<int>(kPanel) / kLanes;
+#if defined(__AVX512F__)
+// AVX-512: 12 rows x 2 panels = 24 accumulators of 16 lanes, 2 weight vectors and a broadcast
+// (27 of 32 registers).
+constexpr int kPanelTileM = 12;
+constexpr int kPanelTileP = 2;
+#else
+// AVX2: a panel is two 8-lane vectors; 6 rows x 1 panel = 12 accumulators, 2 weight vectors
+// and a broadcast (15 of 16 registers).
+constexpr int kPanelTileM = 6;
+constexpr int kPanelTileP = 1;
+#endif
+constexpr int64_t kPanelKBlock = 256;
+constexpr int64_t kPanelChunkRows = 64;
+int64_t g_panel_prefetch_lines = 8;
+
+at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "pack_panels: a dense float32 [N, K] weight expected");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  at::Tensor packed = at::empty({panels, K, kPanel}, weight.options());
+  const float* w = weight.data_ptr<float>();
+  float* out = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      float* dst = out + p * K * kPanel;
+      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t c = 0; c < cols; ++c) dst[k * kPanel + c] = w[(p * kPanel + c) * K + k];
+        for (int64_t c = cols; c < kPanel; ++c) dst[k * kPanel + c] = 0.0f;
+      }
+    }
+  });
+  return packed;
+}
+
+// acc(MR x rows, NP panels) over k in [k0, k1): w = the first panel's element [0][0], panels K *
+// kPanel floats apart; x rows xs apart; y the tile's first output, rows ys apart; ncols of the
+// tile's NP * kPanel columns exist (the rest is the last panel's padding). first: start from
+// the bias (or zero) instead of y.
+template <int MR, int NP>
+inline void panel_tile(const float* w, int64_t K, const float* x, int64_t xs, int64_t k0,
+                       int64_t k1, float* y, int64_t ys, int64_t ncols, const float* bias,
+                       bool first, bool prefetch) {
+  constexpr int V = NP * kPanelVecs;
+  vf acc[MR][V];
+  auto partial_load = [&](const float* src, int64_t c) {
+    float tmp[kLanes] = {};
+    for (int l = 0; l < kLanes && c + l < ncols; ++l) tmp[l] = src[l];
+    return load(tmp);
+  };
+  for (int i = 0; i < V; ++i) {
+    const int64_t c = static_cast<int64_t>(i) * kLanes;
+    vf b = {};
+    if (first && bias) b = c + kLanes <= ncols ? load(bias + c) : partial_load(bias + c, c);
+    for (int r = 0; r < MR; ++r) {
+      if (first) acc[r][i] = b;
+      else acc[r][i] = c + kLanes <= ncols ? load(y + r * ys + c) : partial_load(y + r * ys + c, c);
+    }
+  }
+  const int64_t panel_stride = K * kPanel;
+  const int64_t ahead = g_panel_prefetch_lines * kPanel;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + k * kPanel;
+    if (prefetch)
+      for (int p = 0; p < NP; ++p) __builtin_prefetch(wk + p * panel_stride + ahead);
+    vf wv[V];
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kPanelVecs; ++v) wv[p * kPanelVecs + v] = load(wk + p * panel_stride + v * kLanes);
+    for (int r = 0; r < MR; ++r) {
+      const float xv = x[r * xs + k];
+      for (int i = 0; i < V; ++i) acc[r][i] += wv[i] * xv;
+    }
+  }
+  for (int i = 0; i < V; ++i) {
+    const int64_t c = static_cast<int64_t>(i) * kLanes;
+    for (int r = 0; r < MR; ++r) {
+      float* dst = y + r * ys + c;
+      if (c + kLanes <= ncols) {
+        std::memcpy(dst, &acc[r][i], sizeof(vf));
+      } else {
+        float tmp[kLanes];
+        std::memcpy(tmp, &acc[r][i], sizeof(vf));
+        for (int l = 0; l < kLanes && c + l < ncols; ++l) dst[l] = tmp[l];
+      }
+    }
+  }
+}
+
+// panel_tile for `rows` (1..MR) rows of x: the tile instantiated for that many.
+template <int MR, int NP>
+inline void panel_tile_rows(int rows, const float* w, int64_t K, const float* x, int64_t xs,
+                            int64_t k0, int64_t k1, float* y, int64_t ys, int64_t ncols,
+                            const float* bias, bool first, bool prefetch) {
+  if constexpr (MR > 0) {
+    if (rows == MR)
+      return panel_tile<MR, NP>(w, K, x, xs, k0, k1, y, ys, ncols, bias, first, prefetch);
+    panel_tile_rows<MR - 1, NP>(rows, w, K, x, xs, k0, k1, y, ys, ncols, bias, first, prefetch);
+  }
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "panel_linear: float32 x [M, K] with a dense last dim expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat &&
+                  panels.is_contiguous() && panels.size(1) == K && panels.size(2) == kPanel &&
+                  panels.size(0) == (N + kPanel - 1) / kPanel,
+              "panel_linear: panels [ceil(N/16), K, 16] of x's K expected");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kFloat,
+                "panel_linear: bias must be a dense float32 [N] tensor");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return has_bias ? y.copy_(bias->expand({M, N})) : y.zero_();
+  const float* xp = x.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t num_panels = panels.size(0);
+  const int64_t groups = (num_panels + kPanelTileP - 1) / kPanelTileP;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelChunkRows) {
+      const int64_t m1 = std::min(M, m0 + kPanelChunkRows);
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p0 = g * kPanelTileP;
+        const int64_t np = std::min<int64_t>(kPanelTileP, num_panels - p0);
+        for (int64_t k0 = 0; k0 < K; k0 += kPanelKBlock) {
+          const int64_t k1 = std::min(K, k0 + kPanelKBlock);
+          for (int64_t r0 = m0; r0 < m1; r0 += kPanelTileM) {
+            const int rows = static_cast<int>(std::min<int64_t>(kPanelTileM, m1 - r0));
+            const bool prefetch = r0 == m0 && g_panel_prefetch_lines > 0;
+            // a full group of panels, or the last group's panels one at a time
+            for (int64_t p = p0; p < p0 + np; p += (np == kPanelTileP ? np : 1)) {
+              const int64_t c0 = p * kPanel;
+              const float* w = wp + p * K * kPanel;
+              const float* xr = xp + r0 * xs;
+              float* yr = yp + r0 * N + c0;
+              const float* b = bp ? bp + c0 : nullptr;
+              if (np == kPanelTileP)
+                panel_tile_rows<kPanelTileM, kPanelTileP>(
+                    rows, w, K, xr, xs, k0, k1, yr, N, std::min(N - c0, kPanelTileP * kPanel), b,
+                    k0 == 0, prefetch);
+              else
+                panel_tile_rows<kPanelTileM, 1>(rows, w, K, xr, xs, k0, k1, yr, N,
+                                                std::min(N - c0, kPanel), b, k0 == 0, prefetch);
+            }
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// The prefetch distance of the panel kernel, cache lines of each panel ahead (0: none); a
+// negative value only reads it. Returns the distance in force.
+int64_t panel_prefetch_lines(int64_t lines) {
+  if (lines >= 0) g_panel_prefetch_lines = lines;
+  return g_panel_prefetch_lines;
+}
