@@ -219,9 +219,10 @@ class CompilationConfig:
     freezing: bool | None = None
     """Inductor freezing: weights become constants, prepacked for the CPU GEMM kernels."""
     prepack_linear_weights: bool | None = None
-    """CPU: float32 linear weights (the LM head's included) reordered for oneDNN once after
-    loading, used by an opaque op in the compiled graph; unlike freezing the weights stay graph
-    inputs (cacheable). Costs each weight's size again in memory."""
+    """CPU: float32 linear weights (the LM head's included) packed into column panels once
+    after loading, used by an opaque op in the compiled graph (the panel kernel for batched
+    decode products); unlike freezing the weights stay graph inputs (cacheable). Costs each
+    weight's size again in memory."""
     max_autotune: bool | None = None
     """Inductor max-autotune (benchmarks GEMM templates at compile time)."""
     coordinate_descent_tuning: bool | None = None

@@ -37,7 +37,7 @@ class OptimizationLevel(enum.IntEnum):
     """Our compile backend (Inductor per piece) and piecewise CUDA graphs: compile fast."""
     O2 = 2
     """O1 + full and piecewise CUDA graphs, no-op elimination and fusion passes; CPU (its own
-    level table): linear weights prepacked for oneDNN, C++ host code (Inductor's C++
+    level table): linear weights prepacked into column panels, C++ host code (Inductor's C++
     wrapper). The default."""
     O3 = 3
     """O2 + Inductor autotuning and per-size compiles for common decode sizes: tune for speed.

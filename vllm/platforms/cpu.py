@@ -64,8 +64,9 @@ _FP8_FUSIONS_O2 = {"compilation_config": {"pass_config": {
 
 # O2: two switches only the CPU has.
 _O2 = {"compilation_config": {
-    # Linear weights reordered for oneDNN once and used through an opaque op (the weights stay
-    # graph inputs, so the compiled code is cached): batch-16 decode x1.15-1.20 faster than
+    # Linear weights prepacked once (oneDNN's reorder then; column panels for the panel kernel
+    # since) and used through an opaque op (the weights stay graph inputs, so the compiled code
+    # is cached): batch-16 decode x1.15-1.20 faster than
     # O1's plain weights, batch 1 alike (its few rows take the small-M kernel anyway). The LM head
     # is prepacked too: on the Qwen2.5-0.5B shape its 16-row product takes 14 ms instead of
     # 25 ms, batch-16 decode against -O0 x1.26 -> x1.33 (benchmarks/bench_levels.py).

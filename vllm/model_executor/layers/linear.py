@@ -113,8 +113,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     in bfloat16 to oneDNN's bfloat16 GEMM, which reads the weight at ~half the bandwidth at one
     row and has no fast kernel at all on AVX2: the 0.5B shape decoded 1.5x slower at -O2 than at
     -O0); with `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) a float32
-    weight is also reordered for oneDNN after loading (in the background, finished after ready
-    if need be) and the op computes with that copy.
+    weight is also packed into column panels after loading (in the background, finished after
+    ready if need be) and the op computes batched-decode products with that copy.
     With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
     which folds and prepacks them itself."""
 
