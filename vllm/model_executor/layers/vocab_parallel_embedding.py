@@ -66,9 +66,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     With `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) its weight gets a
     prepacked copy (column panels) after loading, like the decoder's linears: the LM head is
     the largest product of a decode step (151936 x 896 on Qwen2.5-0.5B: 16 rows in 14 ms with
-    oneDNN's reorder against 25 ms on the plain weight, measured here), and batch-1..4 steps keep reading the plain
-    weight through the small-M kernel. The copy costs the weight's size again in memory (a
-    tied embedding keeps its own table for the lookups)."""
+    oneDNN's reorder against 25 ms on the plain weight, measured here), and batch-1..4 steps
+    keep reading the plain weight through the small-M kernel. The copy costs the weight's size
+    again in memory (a tied embedding keeps its own table for the lookups)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
                  params_dtype: torch.dtype | None = None, prefix: str = "") -> None:
