@@ -9,11 +9,13 @@ One process loads one ISA level of the kernels, so each level runs in a worker p
 own (VLLM_CPU_ISA=<level>), all alive at once; the parent drives them one at a time in
 interleaved rounds (the order rotates each round), so the machine's bandwidth drift hits every
 level alike. In every round each worker first measures the read bandwidth (a 512 MiB float32
-sum), then times our step and F.linear's. Reported per level and row count:
+sum), then times our step and F.linear's (with --prepacked: float32 weights with their panel
+copies, as -O2/-O3 run them, against oneDNN on its own reorder of each weight, -O2's copy
+before the panel kernel). Reported per level and row count:
 - ms: the fastest round; GB/s: the weights' bytes over it;
 - of bandwidth: the median over rounds of (weights' bytes / our time) / that round's sum
   bandwidth (the paired read rate: 1.0 = the kernel reads as fast as a plain sum);
-- vs F.linear and vs <first level>: medians over rounds of paired time ratios (>1 = faster);
+- vs F.linear (or oneDNN prepacked) and vs <first level>: medians over rounds of paired time ratios (>1 = faster);
   "per bandwidth": the same with each time scaled by its own process's sum bandwidth of that
   round (worker processes can differ in memory speed, e.g. page placement).
 An A/A run (`--compare-source` given a copy of the current file: two workers, same library)
@@ -23,6 +25,7 @@ shows the noise floor: on the loaded 2-core dev machine identical workers differ
     python benchmarks/bench_cpu_linear.py --shape qwen2.5-0.5b --rows 1 2 4 16
     python benchmarks/bench_cpu_linear.py --isa avx2 avx512_bf16 --dtype bfloat16 --rounds 3
     python benchmarks/bench_cpu_linear.py --streams 1 8 --rows 1 2 4 8   # weight streams
+    python benchmarks/bench_cpu_linear.py --prepacked --dtype float32 --rows 8 16 32 64
 
 `--compare-source old.cpp` adds, for every level, a worker whose kernels are built from another
 version of csrc/cpu_small_m_linear.cpp (e.g. `git show HEAD~1:<path> > old.cpp`), and a column
@@ -73,6 +76,19 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     weights = [torch.randn(n, k).to(dtype) for n, k in model_weights(args.shape)]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
+    if args.prepacked:
+        # what -O2/-O3 run: each weight with its panel copy; the reference is oneDNN on its own
+        # reorder of the weight (-O2's copy before the panel kernel)
+        from vllm.model_executor.layers.cpu_prepacked_linear import prepack
+
+        if dtype != torch.float32 or not all(prepack(w) for w in weights):
+            sys.exit("--prepacked: float32 weights and the C++ build needed")
+        reordered = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights}
+
+        def reference(x, w):
+            return torch.ops.mkldnn._linear_pointwise(x, reordered[id(w)], None, "none", [], "")
+    else:
+        reference = F.linear
     probe = torch.ones(128 * 1024 * 1024)
     xs_by_rows: dict[int, dict[int, torch.Tensor]] = {}
 
@@ -91,14 +107,13 @@ def worker(args: argparse.Namespace) -> None:
             xs = xs_by_rows[rows] = {k: torch.randn(rows, k).to(dtype)
                                      for k in {w.shape[1] for w in weights}}
             step(dispatch_linear, xs)  # warm-up: the kernels' first calls at this row count
-            step(F.linear, xs)
+            step(reference, xs)
         start = time.perf_counter()
         probe.sum()
         bandwidth = probe.numel() * 4 / (time.perf_counter() - start) / 1e9
         ours = step(dispatch_linear, xs)
-        f_linear = step(F.linear, xs)
-        print(json.dumps({"bandwidth": bandwidth, "ours": ours, "f_linear": f_linear}),
-              flush=True)
+        ref = step(reference, xs)
+        print(json.dumps({"bandwidth": bandwidth, "ours": ours, "reference": ref}), flush=True)
 
 
 class Worker:
@@ -109,6 +124,8 @@ class Worker:
             env["VLLM_CPU_LINEAR_STREAMS"] = str(streams)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shape", args.shape,
                "--threads", str(args.threads), "--dtype", dtype]
+        if args.prepacked:
+            cmd.append("--prepacked")
         if source:
             cmd += ["--source", source]
         self.isa = isa
@@ -138,7 +155,12 @@ class Worker:
         self.proc.wait()
 
 
+def reference_name(args: argparse.Namespace) -> str:
+    return "oneDNN prepacked" if args.prepacked else "F.linear"
+
+
 def run_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[dict], float]:
+    ref_name = reference_name(args)
     workers = []
     try:
         for isa in args.isa:  # one at a time: their builds and weights do not overlap
@@ -166,11 +188,11 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[dict], float]:
                     "dtype": dtype, "isa": w.label, "rows": rows,
                     "ours_ms": min(ours) * 1e3,
                     "ours_gbs": nbytes / min(ours) / 1e9,
-                    "f_linear_ms": min(x["f_linear"] for x in rs) * 1e3,
+                    "reference_ms": min(x["reference"] for x in rs) * 1e3,
                     "of_bandwidth": statistics.median(nbytes / x["ours"] / 1e9 / x["bandwidth"]
                                                       for x in rs),
                     "sum_bandwidth_gbs": statistics.median(x["bandwidth"] for x in rs),
-                    "vs_f_linear": statistics.median(x["f_linear"] / x["ours"] for x in rs),
+                    "vs_reference": statistics.median(x["reference"] / x["ours"] for x in rs),
                     "vs_first_isa": statistics.median(b["ours"] / x["ours"]
                                                       for b, x in zip(base, rs)),
                     "vs_source": (statistics.median(t["ours"] / x["ours"]
@@ -187,7 +209,7 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[dict], float]:
                 r = results[-1]
                 print(f"{dtype} {w.label:12s} {rows:3d} rows: {r['ours_ms']:.1f} ms "
                       f"({r['ours_gbs']:.0f} GB/s, {r['of_bandwidth']:.0%} of the sum's "
-                      f"{r['sum_bandwidth_gbs']:.0f} GB/s), x{r['vs_f_linear']:.2f} F.linear, "
+                      f"{r['sum_bandwidth_gbs']:.0f} GB/s), x{r['vs_reference']:.2f} {ref_name}, "
                       f"x{r['vs_first_isa']:.2f} {workers[0].label} "
                       f"(x{r['vs_first_isa_per_bw']:.2f} per bandwidth)"
                       + (f", x{r['vs_source']:.2f} vs source (x{r['vs_source_per_bw']:.2f} per "
@@ -214,6 +236,9 @@ def main() -> None:
                              "one worker per level and count; default: the CPU's default only")
     parser.add_argument("--compare-source", default=None,
                         help="another cpu_small_m_linear.cpp to build and compare at each level")
+    parser.add_argument("--prepacked", action="store_true",
+                        help="float32 weights with their panel copies (what -O2/-O3 run), "
+                             "against oneDNN on its own reorder of each weight")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--source", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,7 +266,8 @@ def main() -> None:
     meta = {"shape": args.shape, "weights_gb": {d: n / 1e9 for d, n in sizes.items()},
             "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
             "cpu_best_isa": best_isa_level(), "isa": args.isa,
-            "compare_source": args.compare_source, "streams": args.streams}
+            "compare_source": args.compare_source, "streams": args.streams,
+            "prepacked": args.prepacked, "reference": reference_name(args)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
@@ -252,12 +278,15 @@ def main() -> None:
              f"built for each ISA level (and weight-stream count, `s<N>`) in a worker process "
              f"of its own (CPU's best level: "
              f"{meta['cpu_best_isa']}; `python benchmarks/bench_cpu_linear.py`). ours = "
-             "`vllm_cpu_linear::linear` (small-M kernel for a few rows, oneDNN or aten above); "
+             "`vllm_cpu_linear::linear` (small-M kernel for a few rows, oneDNN or aten above"
+             + ("; the weights prepacked: the panel kernel for its rows" if args.prepacked
+                else "") + f"), against {meta['reference']}; "
              "ms and GB/s from the fastest round; of bandwidth = median over rounds of our read "
              "rate / the same round's 512 MiB float32 sum rate; the ratios are medians over "
              f"rounds of paired times (>1: ours / this level faster).", "",
              f"| dtype | ISA | rows | ours (ms) | ours (GB/s) | of bandwidth | "
-             f"sum bandwidth (GB/s) | F.linear (ms) | vs F.linear | vs {first} | "
+             f"sum bandwidth (GB/s) | {meta['reference']} (ms) | vs {meta['reference']} | "
+             f"vs {first} | "
              f"vs {first} per bandwidth | vs source | vs source per bandwidth |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -265,8 +294,8 @@ def main() -> None:
                      if r["vs_source"] else " | ")
         lines.append(f"| {r['dtype']} | {r['isa']} | {r['rows']} | {r['ours_ms']:.1f} | "
                      f"{r['ours_gbs']:.0f} | {r['of_bandwidth']:.0%} | "
-                     f"{r['sum_bandwidth_gbs']:.0f} | {r['f_linear_ms']:.1f} | "
-                     f"x{r['vs_f_linear']:.2f} | x{r['vs_first_isa']:.2f} | "
+                     f"{r['sum_bandwidth_gbs']:.0f} | {r['reference_ms']:.1f} | "
+                     f"x{r['vs_reference']:.2f} | x{r['vs_first_isa']:.2f} | "
                      f"x{r['vs_first_isa_per_bw']:.2f} | {vs_source} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
