@@ -214,8 +214,9 @@ def test_panel_kernel_computes_the_product(n_threads):
     output columns that end inside a panel or a group of panels, K tails around the K block,
     bias or not, a row-strided x: the product within float32 rounding (float64 reference)."""
     op = torch.ops.vllm_cpu_linear
-    threads = torch.get_num_threads()
+    threads, prefetch = torch.get_num_threads(), op.panel_prefetch_lines()
     torch.set_num_threads(n_threads)
+    op.panel_prefetch_lines(0 if n_threads == 1 else 16)  # with and without prefetching
     try:
         torch.manual_seed(n_threads)
         for n, k in ((1, 3), (16, 256), (33, 257), (50, 600), (96, 1)):
@@ -234,6 +235,7 @@ def test_panel_kernel_computes_the_product(n_threads):
                                                msg=f"{rows} x [{n}, {k}], bias {bias is not None}")
     finally:
         torch.set_num_threads(threads)
+        op.panel_prefetch_lines(prefetch)
 
 
 def test_panel_kernel_rejects_what_does_not_fit():
@@ -247,3 +249,5 @@ def test_panel_kernel_rejects_what_does_not_fit():
         op.panel_linear(torch.randn(2, 8), panels, 20, torch.randn(19))
     with pytest.raises(RuntimeError, match="float32"):
         op.pack_panels(torch.randn(20, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="pack_panels"):  # not this weight's panels
+        op.set_packed(torch.randn(40, 8), panels)

@@ -557,8 +557,8 @@ struct Policy {
   int64_t bf16_small_rows = 4;  // same, bfloat16
   bool onednn = true;           // float32 products with more rows: oneDNN (else aten::linear)
   bool bf16_widened = false;    // bfloat16 products with more rows: widened blocks in oneDNN
-  // float32 products of panel_min_rows..panel_max_rows rows with a weight that has a panel
-  // copy (set_packed): the panel kernel, before any of the routes above
+  // float32 products of panel_min_rows..panel_max_rows rows with a weight that has a current
+  // panel copy (set_packed): the panel kernel, whatever the other fields say
   int64_t panel_min_rows = 5;
   int64_t panel_max_rows = 64;
 };
@@ -784,7 +784,8 @@ void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
 // keeps its storage, shape and version (an in-place change makes the copy stale: not used).
 int64_t set_packed(const at::Tensor& weight, const at::Tensor& packed) {
   TORCH_CHECK(weight.dim() == 2 && packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous() && packed.size(0) == (weight.size(0) + kPanel - 1) / kPanel &&
+                  packed.is_contiguous() &&
+                  packed.size(0) == (weight.size(0) + kPanel - 1) / kPanel &&
                   packed.size(1) == weight.size(1) && packed.size(2) == kPanel,
               "set_packed: the weight's panels (pack_panels) expected, got a tensor of shape ",
               packed.sizes());
