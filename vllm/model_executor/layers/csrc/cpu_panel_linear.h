@@ -14,11 +14,14 @@
 // of the small-M kernel load an x vector and a weight vector for every FMA pair, and reduce
 // every accumulator across its lanes at the end).
 //
-// Loops: each thread takes a range of panel groups (NP panels, kPanelTileP); for a group, x's
-// rows are taken kPanelChunkRows at a time, K in blocks of kPanelKBlock (the group's block of
-// the weight, NP x 16 KB, stays in L1 while every MR-row tile of the chunk passes over it), the
-// accumulators are written back to y between blocks. The first tile over a block prefetches the
-// panels' lines g_panel_prefetch_lines ahead.
+// Loops: x is first copied into tiles of its own ([rows of the tile] for each k, so a tile
+// broadcasts from one pointer at fixed offsets: with a pointer per row of x the compiler ran
+// out of general registers and reloaded some from the stack every step). Each thread takes a
+// range of panel groups (NP panels, kPanelTileP); for a group, x's rows are taken
+// kPanelChunkRows at a time, K in blocks of kPanelKBlock (the group's block of the weight,
+// NP x 16 KB, stays in L1 while every MR-row tile of the chunk passes over it), the
+// accumulators are written back to y between blocks. The first tile over a block prefetches
+// the panels' lines g_panel_prefetch_lines ahead.
 
 // Output columns per panel (one cache line of float32).
 constexpr int64_t kPanel = 16;
@@ -60,13 +63,12 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 }
 
 // acc(MR x rows, NP panels) over k in [k0, k1): w = the first panel's element [0][0], panels K *
-// kPanel floats apart; x rows xs apart; y the tile's first output, rows ys apart; ncols of the
-// tile's NP * kPanel columns exist (the rest is the last panel's padding). first: start from
-// the bias (or zero) instead of y.
-template <int MR, int NP>
-inline void panel_tile(const float* w, int64_t K, const float* x, int64_t xs, int64_t k0,
-                       int64_t k1, float* y, int64_t ys, int64_t ncols, const float* bias,
-                       bool first, bool prefetch) {
+// kPanel floats apart; xt = the tile's rows of x, [k][MR]; y the tile's first output, rows ys
+// apart; ncols of the tile's NP * kPanel columns exist (the rest is the last panel's padding).
+// first: start from the bias (or zero) instead of y.
+template <int MR, int NP, bool kPrefetch>
+inline void panel_tile(const float* w, int64_t K, const float* xt, int64_t k0, int64_t k1,
+                       float* y, int64_t ys, int64_t ncols, const float* bias, bool first) {
   constexpr int V = NP * kPanelVecs;
   vf acc[MR][V];
   auto partial_load = [&](const float* src, int64_t c) {
@@ -87,13 +89,14 @@ inline void panel_tile(const float* w, int64_t K, const float* x, int64_t xs, in
   const int64_t ahead = g_panel_prefetch_lines * kPanel;
   for (int64_t k = k0; k < k1; ++k) {
     const float* wk = w + k * kPanel;
-    if (prefetch)
+    if constexpr (kPrefetch)
       for (int p = 0; p < NP; ++p) __builtin_prefetch(wk + p * panel_stride + ahead);
     vf wv[V];
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < kPanelVecs; ++v) wv[p * kPanelVecs + v] = load(wk + p * panel_stride + v * kLanes);
+    const float* xk = xt + k * MR;
     for (int r = 0; r < MR; ++r) {
-      const float xv = x[r * xs + k];
+      const float xv = xk[r];
       for (int i = 0; i < V; ++i) acc[r][i] += wv[i] * xv;
     }
   }
@@ -114,13 +117,15 @@ inline void panel_tile(const float* w, int64_t K, const float* x, int64_t xs, in
 
 // panel_tile for `rows` (1..MR) rows of x: the tile instantiated for that many.
 template <int MR, int NP>
-inline void panel_tile_rows(int rows, const float* w, int64_t K, const float* x, int64_t xs,
-                            int64_t k0, int64_t k1, float* y, int64_t ys, int64_t ncols,
-                            const float* bias, bool first, bool prefetch) {
+inline void panel_tile_rows(int rows, const float* w, int64_t K, const float* xt, int64_t k0,
+                            int64_t k1, float* y, int64_t ys, int64_t ncols, const float* bias,
+                            bool first, bool prefetch) {
   if constexpr (MR > 0) {
-    if (rows == MR)
-      return panel_tile<MR, NP>(w, K, x, xs, k0, k1, y, ys, ncols, bias, first, prefetch);
-    panel_tile_rows<MR - 1, NP>(rows, w, K, x, xs, k0, k1, y, ys, ncols, bias, first, prefetch);
+    if (rows == MR) {
+      if (prefetch) return panel_tile<MR, NP, true>(w, K, xt, k0, k1, y, ys, ncols, bias, first);
+      return panel_tile<MR, NP, false>(w, K, xt, k0, k1, y, ys, ncols, bias, first);
+    }
+    panel_tile_rows<MR - 1, NP>(rows, w, K, xt, k0, k1, y, ys, ncols, bias, first, prefetch);
   }
 }
 
@@ -141,16 +146,33 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return has_bias ? y.copy_(bias->expand({M, N})) : y.zero_();
-  const float* xp = x.data_ptr<float>();
-  const int64_t xs = x.stride(0);
+  // x in tiles: the kPanelTileM rows from r0 (fewer in the last tile) at xt + r0 * K, [k][rows]
+  at::Tensor tiles = at::empty({M * K}, x.options());
+  float* xt = tiles.data_ptr<float>();
+  {
+    const float* xp = x.data_ptr<float>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, (M + kPanelTileM - 1) / kPanelTileM, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t r0 = t * kPanelTileM;
+        const int64_t rows = std::min<int64_t>(kPanelTileM, M - r0);
+        float* dst = xt + r0 * K;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = xp[(r0 + r) * xs + k];
+      }
+    });
+  }
   const float* wp = panels.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t num_panels = panels.size(0);
   const int64_t groups = (num_panels + kPanelTileP - 1) / kPanelTileP;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kPanelChunkRows) {
-      const int64_t m1 = std::min(M, m0 + kPanelChunkRows);
+    // (chunks of whole tiles, at least kPanelChunkRows rows: products of up to
+    // PANEL_MAX_ROWS rows read the weight once)
+    constexpr int64_t kChunk = (kPanelChunkRows + kPanelTileM - 1) / kPanelTileM * kPanelTileM;
+    for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
+      const int64_t m1 = std::min(M, m0 + kChunk);
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p0 = g * kPanelTileP;
         const int64_t np = std::min<int64_t>(kPanelTileP, num_panels - p0);
@@ -163,15 +185,15 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
             for (int64_t p = p0; p < p0 + np; p += (np == kPanelTileP ? np : 1)) {
               const int64_t c0 = p * kPanel;
               const float* w = wp + p * K * kPanel;
-              const float* xr = xp + r0 * xs;
+              const float* xr = xt + r0 * K;
               float* yr = yp + r0 * N + c0;
               const float* b = bp ? bp + c0 : nullptr;
               if (np == kPanelTileP)
                 panel_tile_rows<kPanelTileM, kPanelTileP>(
-                    rows, w, K, xr, xs, k0, k1, yr, N, std::min(N - c0, kPanelTileP * kPanel), b,
+                    rows, w, K, xr, k0, k1, yr, N, std::min(N - c0, kPanelTileP * kPanel), b,
                     k0 == 0, prefetch);
               else
-                panel_tile_rows<kPanelTileM, 1>(rows, w, K, xr, xs, k0, k1, yr, N,
+                panel_tile_rows<kPanelTileM, 1>(rows, w, K, xr, k0, k1, yr, N,
                                                 std::min(N - c0, kPanel), b, k0 == 0, prefetch);
             }
           }
