@@ -76,7 +76,12 @@ BF16_DOT_MAX_ROWS = 16
 # paired rounds, best of 5-9, a loaded host: ranges over runs): 4 rows 1.7x (small-M 1.9x),
 # 6-8 rows 1.6-1.8x (small-M 1.3x), 12-16 rows 1.4-1.5x (small-M 0.9-1.0x), 24-32 1.1-1.3x,
 # 48-64 0.94-1.1x, 128 0.85-0.9x, 512-2048 0.8-0.9x; oneDNN on the plain weight 0.75-0.85x
-# up to 64 rows, 0.9x at 512-2048 (it reorders the weight each call).
+# up to 64 rows, 0.9x at 512-2048 (it reorders the weight each call). The 0.5B shape's 97
+# products, cold, one thread on a core of its own: 8 rows 1.44x (small-M 1.41x), 12 rows
+# 1.32-1.44x (small-M 1.07-1.11x), 16 rows 1.25x, 32 1.23x, 48 1.15x, 64 0.92x. AVX2 (its 6-row
+# tiles) was measured only as the AVX2 build on that Intel machine, where oneDNN keeps its
+# AVX-512 kernels: 16 rows as fast as the small-M kernel's AVX2 tiles (0.77x / 0.81x oneDNN's
+# AVX-512), so AVX2 keeps the small-M kernel up to its 16 rows and takes panels above.
 PANEL_MIN_ROWS = 5
 PANEL_MAX_ROWS = 64
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
