@@ -23,10 +23,10 @@ import pytest
 
 try:
     from tests.compile.cache_logs import cache_dir_in, child_env, same_key_or_skip
-    from tests.model_executor.hf_checkpoints import lazy_checkpoints
+    from tests.model_executor.hf_checkpoints import lazy_checkpoints, make_llama
 except ImportError:  # tests/ itself on sys.path
     from compile.cache_logs import cache_dir_in, child_env, same_key_or_skip
-    from model_executor.hf_checkpoints import lazy_checkpoints
+    from model_executor.hf_checkpoints import lazy_checkpoints, make_llama
 
 from vllm.compilation.graph_cache import GRAPH_ENTRY
 
@@ -124,13 +124,18 @@ def assert_warm(result: dict, log: str, pieces: int = NUM_PIECES) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, level", [("llama", 2), ("qwen3", 2), ("mixtral", 3)])
-def test_warm_start_skips_dynamo_and_matches_cold_and_o0(tmp_path, checkpoints, model, level):
+def test_warm_start_skips_dynamo_and_matches_cold_and_o0(tmp_path, checkpoints, model, level,
+                                                         request):
     """CPU -O3 compiles the whole graph as one piece. At -O2 and -O3 each piece's host code
-    is C++ (Inductor's C++ wrapper): its one built module is what a warm start loads."""
+    is C++ (Inductor's C++ wrapper): its one built module is what a warm start loads. (Llama
+    -O2's cold start is the module's, `llama_cold`: the same child, model and options.)"""
     path = checkpoints(model)
     pieces = 1 if level == 3 else NUM_PIECES
     eager, _ = run(tmp_path, path, optimization_level=0)
-    cold, cold_log = run(tmp_path, path, optimization_level=level)
+    if (model, level) == ("llama", 2):
+        cold, cold_log = cold_copy(tmp_path, request.getfixturevalue("llama_cold"))
+    else:
+        cold, cold_log = run(tmp_path, path, optimization_level=level)
     assert (cold["traces"], cold["loaded"], cold["saved"]) == (1, 0, 1), cold_log[-3000:]
     assert cold["inductor"] == pieces and cold["counts"]["dynamo tracing"] == 1
     directory = cache_dir_in(cold_log)
@@ -151,8 +156,10 @@ def test_warm_start_skips_dynamo_and_matches_cold_and_o0(tmp_path, checkpoints, 
 def test_tensor_parallel_ranks_keep_their_own_graphs(tmp_path, checkpoints):
     """Each rank's traced graph has constants of its own (e.g. its vocabulary shard's
     offset): every rank saves and loads its own entry (rank_<r>/), and a warm TP=2 start
-    generates what the cold one and -O0 do."""
-    path = checkpoints("llama")
+    generates what the cold one and -O0 do. A one-layer Llama: two pieces per rank (each
+    TP piece's C++ module, which calls the all-reduce op through the dispatcher, takes
+    several times a TP=1 piece's build), not three."""
+    path = make_llama(tmp_path / "llama_1_layer", num_hidden_layers=1)
     eager, _ = run(tmp_path, path, optimization_level=0, tensor_parallel_size=2)
     cold, cold_log = run(tmp_path, path, tensor_parallel_size=2)
     directory = cache_dir_in(cold_log)
@@ -161,7 +168,7 @@ def test_tensor_parallel_ranks_keep_their_own_graphs(tmp_path, checkpoints):
         assert os.path.isfile(entry), cold_log[-3000:]
     warm, warm_log = run(tmp_path, path, tensor_parallel_size=2)
     same_key_or_skip(cold_log, warm_log)
-    assert_warm(warm, warm_log)
+    assert_warm(warm, warm_log, pieces=2)
     assert warm["tokens"] == cold["tokens"] == eager["tokens"]
 
 
@@ -244,29 +251,44 @@ def test_a_damaged_light_kernel_is_caught_and_the_next_start_runs_without_induct
 @pytest.mark.slow
 def test_damaged_kernels_everywhere_fall_back_and_the_table_still_adds_up(tmp_path, checkpoints,
                                                                           llama_cold):
-    """Every light kernel and every kernel Inductor built, damaged: the warm start's graph
-    load fails at the first piece, Dynamo traces, that piece is recompiled and the rest load.
-    The start-up table counts the failed attempt once: its phases add up to the wall time
-    (the failed graph load used to include the piece rows, 10-13% over), and the piece whose
-    load failed is no "hit"."""
+    """Every light kernel and every kernel Inductor built, damaged: the copies the light
+    entries load (checksummed: caught, counted, the pieces load the full way) and the ones
+    Inductor built (a .so in the entry's Inductor cache, which our checksums do not cover).
+    The warm start's graph load fails at the first piece, Dynamo traces, that piece is
+    recompiled from an emptied Inductor cache (it would otherwise reuse the damaged file) and
+    the rest load; the next start hits every piece. The start-up table counts the failed
+    attempt once: its phases add up to the wall time (the failed graph load used to include
+    the piece rows, 10-13% over), and the piece whose load failed is no "hit".
+    (Moved here from test_cache_e2e.py, which compiled a cache of its own for it.)"""
     path = checkpoints("llama")
     cold, cold_log = cold_copy(tmp_path, llama_cold)
     directory = cache_dir_in(cold_log)
-    for name in os.listdir(os.path.join(directory, "light_kernels")):
+    light = os.listdir(os.path.join(directory, "light_kernels"))
+    assert light and all(name.endswith(".so") for name in light), light
+    for name in light:
         open(os.path.join(directory, "light_kernels", name), "w").close()
-    for root, _, files in os.walk(os.path.join(directory, "inductor_cache")):
-        for name in files:
-            if name.endswith(".so"):
-                os.truncate(os.path.join(root, name), 100)
+    built = [os.path.join(root, name)
+             for root, _, files in os.walk(os.path.join(directory, "inductor_cache"))
+             for name in files if name.endswith(".so")]
+    assert built
+    for name in built:
+        os.truncate(name, 100)
 
     damaged, log = run(tmp_path, path)
     same_key_or_skip(cold_log, log)
     assert damaged["tokens"] == cold["tokens"]
     assert damaged["traces"] == 1 and damaged["loaded"] == 0, log[-3000:]
     assert damaged["hits"] + damaged["misses"] == NUM_PIECES and damaged["misses"] >= 1
+    assert damaged["corrupt"] >= 1 and "emptying" in log, log[-3000:]
     phases = {k: v for k, v in damaged["phases"].items() if k != "other"}
     assert sum(phases.values()) <= 1.05 * damaged["wall"], (phases, damaged["wall"])
     table = log.split("Start-up phases", 1)[1]
     assert "load failed" in table, table
     rows = re.findall(r"\n  piece \d+ .*cache: ([^;\n]*)", table)
     assert sum(r.split(", ").count("hit") for r in rows) == damaged["hits"], table
+
+    # The start after that: every piece a hit, Inductor never runs, nothing corrupt.
+    warm, log = run(tmp_path, path)
+    same_key_or_skip(cold_log, log)
+    assert (warm["inductor"], warm["hits"], warm["corrupt"]) == (0, NUM_PIECES, 0), log[-3000:]
+    assert warm["tokens"] == cold["tokens"]
