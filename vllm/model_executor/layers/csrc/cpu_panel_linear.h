@@ -17,8 +17,8 @@
 // Loops: x is first copied into tiles of its own ([rows of the tile] for each k, so a tile
 // broadcasts from one pointer at fixed offsets: with a pointer per row of x the compiler ran
 // out of general registers and reloaded some from the stack every step). Each thread takes a
-// range of panel groups (NP panels, kPanelTileP); for a group, x's rows are taken
-// kPanelChunkRows at a time, K in blocks of kPanelKBlock (the group's block of the weight,
+// range of panel groups (NP panels, kPanelTileP); for a group, x's rows are taken in chunks of
+// whole tiles of at least kPanelChunkRows rows, K in blocks of kPanelKBlock (the group's block of the weight,
 // NP x 16 KB, stays in L1 while every MR-row tile of the chunk passes over it), the
 // accumulators are written back to y between blocks. The first tile over a block prefetches
 // the panels' lines g_panel_prefetch_lines ahead.
