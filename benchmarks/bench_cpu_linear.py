@@ -15,7 +15,8 @@ before the panel kernel). Reported per level and row count:
 - ms: the fastest round; GB/s: the weights' bytes over it;
 - of bandwidth: the median over rounds of (weights' bytes / our time) / that round's sum
   bandwidth (the paired read rate: 1.0 = the kernel reads as fast as a plain sum);
-- vs F.linear (or oneDNN prepacked) and vs <first level>: medians over rounds of paired time ratios (>1 = faster);
+- vs F.linear (or oneDNN prepacked) and vs <first level>: medians over rounds of paired time
+  ratios (>1 = faster);
   "per bandwidth": the same with each time scaled by its own process's sum bandwidth of that
   round (worker processes can differ in memory speed, e.g. page placement).
 An A/A run (`--compare-source` given a copy of the current file: two workers, same library)

@@ -99,6 +99,17 @@ def load_cpu_extension(name: str, source_path: str, env_switch: str,
     return _loaded[name]
 
 
+def source_with_headers(source_path: str, *header_paths: str) -> str:
+    """The text of `source_path` with each header pasted in place of its
+    `#include "<file name>"` line (the build compiles one file, and the hash covers it all)."""
+    with open(source_path) as f:
+        text = f.read()
+    for header in header_paths:
+        with open(header) as f:
+            text = text.replace(f'#include "{os.path.basename(header)}"', f.read())
+    return text
+
+
 def cpu_extension_loaded(name: str) -> bool:
     """Whether `load_cpu_extension(name, ...)` already succeeded in this process."""
     return _loaded.get(name, False)

@@ -20,7 +20,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from vllm.utils.cpu_kernels import cpu_extension_loaded, load_cpu_extension
+from vllm.utils.cpu_kernels import cpu_extension_loaded, load_cpu_extension, source_with_headers
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 _SOURCE = os.path.join(_DIR, "cpu_fp8.cpp")
@@ -43,15 +43,6 @@ def cpu_kernels_held_back() -> Iterator[None]:
         _allowed = previous
 
 
-def read_source() -> str:
-    """cpu_fp8.cpp with cpu_fp8_kernels.h pasted in place of its #include."""
-    with open(_HEADER) as f:
-        header = f.read()
-    with open(_SOURCE) as f:
-        source = f.read()
-    return source.replace('#include "cpu_fp8_kernels.h"', header)
-
-
 def cpu_fp8_kernels_loaded() -> bool:
     return cpu_extension_loaded(_NAME)
 
@@ -67,4 +58,5 @@ def load_cpu_fp8_kernels() -> bool:
     import vllm.model_executor.kernels.fp8_ops  # noqa: F401
 
     return load_cpu_extension(_NAME, os.path.join(_DIR, "cpu_fp8_full.cpp"),
-                              "VLLM_CPU_FP8_KERNELS", source_text=read_source())
+                              "VLLM_CPU_FP8_KERNELS",
+                              source_text=source_with_headers(_SOURCE, _HEADER))

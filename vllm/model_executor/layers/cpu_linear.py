@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm.utils.cpu_info import cpu_vendor
-from vllm.utils.cpu_kernels import load_cpu_extension, switched_off
+from vllm.utils.cpu_kernels import load_cpu_extension, source_with_headers, switched_off
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCE = os.path.join(_CSRC, "cpu_small_m_linear.cpp")
@@ -106,7 +106,7 @@ def small_m_linear_available() -> bool:
     The first successful load also tells the C++ dispatcher the routing policy."""
     global _configured
     if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR",
-                              source_text=read_source(_SOURCE)):
+                              source_text=source_with_headers(_SOURCE, _PANEL_HEADER)):
         return False
     if not _configured:
         # a bad VLLM_CPU_LINEAR_STREAMS or VLLM_CPU_LINEAR_PREFETCH_BYTES stops here
@@ -118,15 +118,6 @@ def small_m_linear_available() -> bool:
         torch.ops.vllm_cpu_linear.streams(streams)
         _configured = True
     return True
-
-
-def read_source(path: str) -> str:
-    """The kernels' source (`path`: csrc/cpu_small_m_linear.cpp, or a copy of another version
-    of it) with csrc/cpu_panel_linear.h pasted in place of its #include."""
-    with open(_PANEL_HEADER) as f:
-        header = f.read()
-    with open(path) as f:
-        return f.read().replace('#include "cpu_panel_linear.h"', header)
 
 
 _configured = False

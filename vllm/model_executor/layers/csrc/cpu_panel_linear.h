@@ -3,7 +3,7 @@
 //   torch.ops.vllm_cpu_linear.pack_panels(weight [N, K] float32) -> panels [ceil(N/16), K, 16]
 //   torch.ops.vllm_cpu_linear.panel_linear(x [M, K], panels, N, bias [N] or None) -> y [M, N]
 //
-// Pasted into cpu_small_m_linear.cpp's anonymous namespace (cpu_linear.py's read_source), after
+// Pasted into cpu_small_m_linear.cpp's anonymous namespace (cpu_linear.py, `source_with_headers`), after
 // its vector type `vf`, `load` and kLanes.
 //
 // Panel p holds weight rows 16p .. 16p+15 (output columns of y) column by column: element
