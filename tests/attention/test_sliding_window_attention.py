@@ -82,19 +82,23 @@ def make_paged(requests, heads, kv_heads, head_size, block_size, dtype, window, 
 
 
 def dense_attention(query, kvs, requests, scale, window):
-    """Float64, row by row: softmax over exactly the keys j with p - window < j <= p."""
+    """Float64, one request at a time: for its query row at position p, the softmax over
+    exactly the keys j with p - window < j <= p (the others masked out before the softmax,
+    so they weigh exactly 0)."""
     heads, kv_heads = query.shape[1], kvs[0].shape[2]
     out = torch.zeros(query.shape, dtype=torch.float64)
     start = 0
     for (context, query_len), kv in zip(requests, kvs):
         keys = kv[0].double().repeat_interleave(heads // kv_heads, dim=1)  # [S, H, D]
         values = kv[1].double().repeat_interleave(heads // kv_heads, dim=1)
-        for i in range(query_len):
-            p = context + i
-            low = 0 if window is None else max(0, p - window + 1)
-            q = query[start + i].double()  # [H, D]
-            scores = torch.einsum("hd,nhd->hn", q, keys[low:p + 1]) * scale
-            out[start + i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values[low:p + 1])
+        q = query[start:start + query_len].double()  # [Q, H, D]
+        p = torch.arange(context, context + query_len)[:, None]  # [Q, 1]
+        j = torch.arange(context + query_len)[None, :]  # [1, S]
+        visible = (j <= p) if window is None else (j <= p) & (j > p - window)  # [Q, S]
+        scores = torch.einsum("qhd,shd->hqs", q, keys) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:start + query_len] = torch.einsum("hqs,shd->qhd", scores.softmax(-1),
+                                                    values)
         start += query_len
     return out
 
