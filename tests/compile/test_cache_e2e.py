@@ -110,8 +110,10 @@ def test_warm_start_in_new_processes(tmp_path, llama):
     assert (c["graphs"], c["loaded"]) == (0, 1)  # the traced graph came from the cache too
     assert "compile cache: hit" in err_c and cache_dir_in(err_a) in err_c
     assert c["tokens"] == a["tokens"]
+    # The other key uses neither the traced graph nor any piece: traced once, all compiled.
     assert cache_dir_in(err_d) != cache_dir_in(err_a)
     assert (d["hits"], d["misses"]) == (0, NUM_PIECES)
+    assert (d["graphs"], d["loaded"], d["inductor"]) == (1, 0, NUM_PIECES), err_d[-3000:]
     assert d["tokens"] == a["tokens"]
 
     # A damaged artifact is detected, logged and recompiled; the others still load.
