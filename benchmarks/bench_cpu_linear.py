@@ -27,6 +27,8 @@ shows the noise floor: on the loaded 2-core dev machine identical workers differ
     python benchmarks/bench_cpu_linear.py --isa avx2 avx512_bf16 --dtype bfloat16 --rounds 3
     python benchmarks/bench_cpu_linear.py --streams 1 8 --rows 1 2 4 8   # weight streams
     python benchmarks/bench_cpu_linear.py --prepacked --dtype float32 --rows 8 16 32 64
+    python benchmarks/bench_cpu_linear.py --prepacked --dtype float32 --isa avx512_bf16 \
+        --panel-prefetch 8 32 --rows 5 16 32   # the panel kernel's prefetch distance
 
 `--compare-source old.cpp` adds, for every level, a worker whose kernels are built from another
 version of csrc/cpu_small_m_linear.cpp (e.g. `git show HEAD~1:<path> > old.cpp`), and a column
@@ -119,10 +121,13 @@ def worker(args: argparse.Namespace) -> None:
 
 class Worker:
     def __init__(self, isa: str, args: argparse.Namespace, dtype: str,
-                 source: str | None = None, streams: int | None = None) -> None:
+                 source: str | None = None, streams: int | None = None,
+                 panel_prefetch: int | None = None) -> None:
         env = dict(os.environ, VLLM_CPU_ISA=isa)
         if streams:
             env["VLLM_CPU_LINEAR_STREAMS"] = str(streams)
+        if panel_prefetch is not None:
+            env["VLLM_CPU_PANEL_PREFETCH_LINES"] = str(panel_prefetch)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shape", args.shape,
                "--threads", str(args.threads), "--dtype", dtype]
         if args.prepacked:
@@ -131,6 +136,7 @@ class Worker:
             cmd += ["--source", source]
         self.isa = isa
         self.label = isa + (f" s{streams}" if streams else "") + (
+            f" pf{panel_prefetch}" if panel_prefetch is not None else "") + (
             f" ({os.path.basename(source)})" if source else "")
         self.twin: Worker | None = None  # the same level built from --compare-source
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -166,10 +172,13 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[dict], float]:
     try:
         for isa in args.isa:  # one at a time: their builds and weights do not overlap
             for streams in args.streams or [None]:
-                workers.append(Worker(isa, args, dtype, streams=streams))
-                if args.compare_source:
-                    workers.append(Worker(isa, args, dtype, args.compare_source, streams))
-                    workers[-2].twin = workers[-1]
+                for lines in args.panel_prefetch or [None]:
+                    workers.append(Worker(isa, args, dtype, streams=streams,
+                                          panel_prefetch=lines))
+                    if args.compare_source:
+                        workers.append(Worker(isa, args, dtype, args.compare_source, streams,
+                                              lines))
+                        workers[-2].twin = workers[-1]
         nbytes = workers[0].nbytes
         results = []
         for rows in args.rows:
@@ -235,6 +244,10 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=None, choices=[1, 2, 4, 8],
                         help="weight streams per thread to compare (VLLM_CPU_LINEAR_STREAMS), "
                              "one worker per level and count; default: the CPU's default only")
+    parser.add_argument("--panel-prefetch", type=int, nargs="+", default=None,
+                        help="with --prepacked: the panel kernel's prefetch distances to compare "
+                             "(VLLM_CPU_PANEL_PREFETCH_LINES, cache lines ahead), one worker "
+                             "per level and distance; default: the built-in distance only")
     parser.add_argument("--compare-source", default=None,
                         help="another cpu_small_m_linear.cpp to build and compare at each level")
     parser.add_argument("--prepacked", action="store_true",
@@ -255,6 +268,10 @@ def main() -> None:
         cpu_isa_level(forced=isa)  # a ValueError naming the allowed levels
     if not args.isa:
         sys.exit("this CPU has none of the ISA levels (avx2, avx512, avx512_bf16)")
+    if args.panel_prefetch and not args.prepacked:
+        sys.exit("--panel-prefetch needs --prepacked (only panel copies use that distance)")
+    if args.panel_prefetch and min(args.panel_prefetch) < 0:
+        sys.exit(f"--panel-prefetch: cache lines ahead must be >= 0, got {args.panel_prefetch}")
     results, sizes = [], {}
     for dtype in args.dtype:
         rs, sizes[dtype] = run_dtype(args, dtype)
@@ -268,6 +285,7 @@ def main() -> None:
             "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
             "cpu_best_isa": best_isa_level(), "isa": args.isa,
             "compare_source": args.compare_source, "streams": args.streams,
+            "panel_prefetch": args.panel_prefetch,
             "prepacked": args.prepacked, "reference": reference_name(args)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
@@ -276,7 +294,8 @@ def main() -> None:
     first = results[0]["isa"]  # the first worker's label: what "vs" compares with
     lines = [f"All linears of one decode step of the {args.shape} shape ({weights} weights, "
              f"cold), {args.threads} threads, {args.rounds} interleaved rounds, the kernels "
-             f"built for each ISA level (and weight-stream count, `s<N>`) in a worker process "
+             f"built for each ISA level (and weight-stream count, `s<N>`, panel prefetch "
+             f"distance, `pf<N>`) in a worker process "
              f"of its own (CPU's best level: "
              f"{meta['cpu_best_isa']}; `python benchmarks/bench_cpu_linear.py`). ours = "
              "`vllm_cpu_linear::linear` (small-M kernel for a few rows, oneDNN or aten above"

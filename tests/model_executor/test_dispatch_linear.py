@@ -288,6 +288,22 @@ def test_prefetch_distance_default_env_and_results(monkeypatch):
         op.prefetch_bytes(before)
 
 
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+def test_panel_prefetch_distance_default_and_env(monkeypatch):
+    op = torch.ops.vllm_cpu_linear
+    monkeypatch.delenv("VLLM_CPU_PANEL_PREFETCH_LINES", raising=False)
+    assert cpu_linear.panel_prefetch_lines() == cpu_linear.PANEL_PREFETCH_LINES == 32
+    assert op.panel_prefetch_lines(-1) == 32  # what the first load set (-1: only ask)
+    for good, lines in (("0", 0), ("64", 64), (" 16 ", 16), ("", 32)):
+        monkeypatch.setenv("VLLM_CPU_PANEL_PREFETCH_LINES", good)
+        assert cpu_linear.panel_prefetch_lines() == lines
+    for bad in ("-1", "2KB", "1.5"):
+        monkeypatch.setenv("VLLM_CPU_PANEL_PREFETCH_LINES", bad)
+        with pytest.raises(ValueError, match=f"VLLM_CPU_PANEL_PREFETCH_LINES.*lines.*{bad!r}"):
+            cpu_linear.panel_prefetch_lines()
+
+
 # ---- weight streams per thread (per CPU vendor) ---------------------------------------------
 
 def test_weight_streams_default_per_vendor_and_env(monkeypatch):

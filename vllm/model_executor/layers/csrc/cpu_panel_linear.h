@@ -39,7 +39,7 @@ constexpr int kPanelTileP = 1;
 #endif
 constexpr int64_t kPanelKBlock = 256;
 constexpr int64_t kPanelChunkRows = 64;
-int64_t g_panel_prefetch_lines = 8;
+int64_t g_panel_prefetch_lines = 32;  // cpu_linear.py sets its PANEL_PREFETCH_LINES at load
 
 at::Tensor pack_panels(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
