@@ -27,6 +27,16 @@ llama.cpp's KV-cache type and flash attention: --llamacpp-kv, --llamacpp-flash-a
     pip install -e '.[bench]'
     python benchmarks/bench_vs_llamacpp.py            # full run (see --help), results/vs_llamacpp.*
     python benchmarks/bench_vs_llamacpp.py --quick    # smoke run, results/vs_llamacpp_quick.*
+
+As on an AVX2-only CPU, on a machine with AVX-512 (`--isa avx2`): every library of ours runs
+its AVX2 code (our C++ kernels VLLM_CPU_ISA, ATen and Inductor ATEN_CPU_CAPABILITY, oneDNN
+ONEDNN_MAX_CPU_ISA, MKL MKL_ENABLE_INSTRUCTIONS, set for every worker), and llama.cpp is an
+AVX2 build of the same version, whose libraries LLAMA_CPP_LIB_PATH names (a run whose llama.cpp
+reports AVX-512 stops):
+
+    bash benchmarks/build_llamacpp.sh avx2
+    LLAMA_CPP_LIB_PATH=benchmarks/results/tmp/llamacpp-avx2/build/bin \
+        python benchmarks/bench_vs_llamacpp.py --isa avx2 --out benchmarks/results/vs_llamacpp_as_avx2
 """
 from __future__ import annotations
 
@@ -389,6 +399,25 @@ def weight_bytes(path: str, dtype: str) -> int:
     return total
 
 
+# What makes each library of ours run its AVX2 code on a CPU that has more (--isa avx2).
+AVX2_ENV = {"VLLM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def limit_isa(args) -> None:
+    """--isa avx2: every worker (they inherit this environment) runs AVX2 code only; llama.cpp
+    must come from an AVX2 build (checked once it reports its features)."""
+    from vllm.utils.cpu_info import supported_isa_levels
+
+    if "avx2" not in supported_isa_levels():
+        sys.exit(f"--isa avx2: this CPU cannot run AVX2 code (it has: "
+                 f"{', '.join(supported_isa_levels()) or 'none of avx2, avx512, avx512_bf16'})")
+    if "llamacpp" in args.engines and not os.environ.get("LLAMA_CPP_LIB_PATH"):
+        sys.exit("--isa avx2: set LLAMA_CPP_LIB_PATH to an AVX2 build of llama.cpp's libraries "
+                 "(bash benchmarks/build_llamacpp.sh avx2 prints it)")
+    os.environ.update(AVX2_ENV)
+
+
 def spawn(args, engine: str, case: dict | None = None, dtype: str = "float32",
           batch16: bool = False, extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--threads",
@@ -462,7 +491,8 @@ def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: d
                            "leading_match": {e: leading_match(t[:CHECK_TOKENS],
                                                               ref[:CHECK_TOKENS])
                                              for e, t in first.items() if t}})
-    return {"machine": machine, "bandwidth_gb_s": {"best": bw, "readings": bandwidths},
+    return {"machine": machine, "isa": args.isa,
+            "bandwidth_gb_s": {"best": bw, "readings": bandwidths},
             "llama_cpp": {**llama_info, "kv_cache_type": args.llamacpp_kv,
                           "flash_attn": args.llamacpp_flash_attn},
             "threads": args.threads, "rounds": args.rounds,
@@ -488,7 +518,11 @@ def markdown(summary: dict) -> str:
         f"the end: {', '.join(fmt(b) for b in bw['readings'])}; each the best of 5 sums "
         f"and 5 gemv (torch.mv) of a 1.5 GiB float32 array on {summary['threads']} "
         f"threads). Our C++ kernels built for: {m.get('our_kernels', '?')}"
-        + (" (VLLM_CPU_ISA)." if os.environ.get("VLLM_CPU_ISA") else "."),
+        + (" (VLLM_CPU_ISA)." if os.environ.get("VLLM_CPU_ISA") else ".")
+        + (" **Run as on an AVX2-only CPU** (`--isa avx2`): ours with "
+           + ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items())
+           + "; llama.cpp an AVX2 build of the same version (LLAMA_CPP_LIB_PATH)."
+           if summary.get("isa") == "avx2" else ""),
         f"llama.cpp: llama-cpp-python {summary['llama_cpp'].get('version', '?')}, "
         f"flash attention {summary['llama_cpp'].get('flash_attn', '?')}, KV cache "
         f"{summary['llama_cpp'].get('kv_cache_type', '?')} (llama.cpp's defaults: auto, f16), "
@@ -578,6 +612,9 @@ def main() -> None:
     parser.add_argument("--llamacpp-flash-attn", default="auto", choices=sorted(FLASH_ATTN),
                         help="llama.cpp's flash attention (default auto, llama.cpp's own "
                              "default; it computes in float16 on the CPU)")
+    parser.add_argument("--isa", default="native", choices=["native", "avx2"],
+                        help="avx2: run both engines as on an AVX2-only CPU (see the module "
+                             "docstring; llama.cpp from LLAMA_CPP_LIB_PATH)")
     parser.add_argument("--worker-timeout", type=float, default=3600)
     parser.add_argument("--ckpt-root", default=os.path.join(HERE, "results", "tmp"))
     parser.add_argument("--out", default=None,
@@ -609,6 +646,8 @@ def main() -> None:
         except ImportError:
             sys.exit("llama_cpp is not importable: pip install -e '.[bench]' "
                      "(llama-cpp-python and gguf)")
+    if args.isa != "native":
+        limit_isa(args)
     out = args.out or os.path.join(HERE, "results",
                                    "vs_llamacpp_quick" if args.quick else "vs_llamacpp")
     os.makedirs(args.ckpt_root, exist_ok=True)
@@ -643,6 +682,11 @@ def main() -> None:
                 if engine == "llamacpp" and "error" not in res:
                     llama_info = {"version": res.get("llama_cpp_python"),
                                   "system_info": res.get("system_info")}
+                    if args.isa == "avx2" and "AVX512 = 1" in llama_info["system_info"]:
+                        sys.exit("--isa avx2: llama.cpp was built with AVX-512 "
+                                 f"({llama_info['system_info'].strip()}); build an AVX2 one "
+                                 "(bash benchmarks/build_llamacpp.sh avx2) and name its "
+                                 "libraries in LLAMA_CPP_LIB_PATH")
                 brief = res.get("error", "").strip().splitlines()[-1:] or [
                     f"b1 {res['b1']['decode_tok_s']:.2f} tok/s"
                     + (f", b16 {res['b16']['total_tok_s']:.1f} tok/s" if "b16" in res else "")]

@@ -129,7 +129,7 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     args = SimpleNamespace(engines=list(bench.ENGINES), batch16_shapes=["llama-50m"],
                            llamacpp_kv="f16", llamacpp_flash_attn="auto",
                            threads=2, rounds=3, prompt_len=32, max_tokens=128,
-                           b16_prompt_len=128, b16_max_tokens=128)
+                           b16_prompt_len=128, b16_max_tokens=128, isa="native")
     cases = {("llama-50m", "float32"): {"weight_bytes": 100_000_000}}
 
     def run(b1: float, b16: float) -> dict:
@@ -162,3 +162,39 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     assert check["leading_match"] == {"hf": 3, "llamacpp": 3, "O0": 3, "O2": 3, "O3": 3,
                                       bench.EXACT: 2}
     assert "| transformers eager | 3 | 3 | 3 | 3 | 3 | 2 |" in text
+
+
+def test_isa_avx2_limits_every_library_and_needs_an_avx2_llamacpp(monkeypatch):
+    from vllm.utils.cpu_info import supported_isa_levels
+
+    if "avx2" not in supported_isa_levels():
+        pytest.skip("this CPU cannot run AVX2 code")
+    for name in bench.AVX2_ENV:
+        monkeypatch.setenv(name, "")  # restored after the test
+    args = SimpleNamespace(engines=["llamacpp", "O2"])
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    with pytest.raises(SystemExit, match="LLAMA_CPP_LIB_PATH.*build_llamacpp.sh avx2"):
+        bench.limit_isa(args)
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", "/somewhere")
+    bench.limit_isa(args)
+    assert {k: os.environ[k] for k in bench.AVX2_ENV} == bench.AVX2_ENV
+    # The variables are the ones torch and our kernels read: a process with them runs AVX2.
+    probe = ("import torch; from vllm.utils.cpu_info import cpu_isa_level; "
+             "print(torch.backends.cpu.get_cpu_capability(), cpu_isa_level())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["AVX2", "avx2"]
+
+
+def test_report_says_when_it_ran_as_avx2():
+    summary = {"machine": {"cpu": "c", "isa": "AVX-512", "flags": [], "logical_cpus": 2,
+                           "our_kernels": "avx2"},
+               "bandwidth_gb_s": {"best": 10.0, "readings": [10.0]},
+               "llama_cpp": {"version": "0", "system_info": "AVX2 = 1"}, "threads": 2,
+               "rounds": 1, "prompt_len": 32, "max_tokens": 128,
+               "batch16": {"prompt_len": 128, "max_tokens": 128}, "engines": ["llamacpp", "O2"],
+               "rows": [], "greedy_check": []}
+    assert "AVX2-only" not in bench.markdown({**summary, "isa": "native"})
+    text = bench.markdown({**summary, "isa": "avx2"})
+    assert "Run as on an AVX2-only CPU" in text and "ONEDNN_MAX_CPU_ISA=AVX2" in text
