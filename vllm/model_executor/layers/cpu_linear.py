@@ -81,8 +81,14 @@ BF16_DOT_MAX_ROWS = 16
 # 1.32-1.44x (small-M 1.07-1.11x), 16 rows 1.25x, 32 1.23x, 48 1.15x, 64 0.92x. AVX2 (its 6-row
 # tiles) was measured only as the AVX2 build on that Intel machine, where oneDNN keeps its
 # AVX-512 kernels: 16 rows as fast as the small-M kernel's AVX2 tiles (0.77x / 0.81x oneDNN's
-# AVX-512), so AVX2 keeps the small-M kernel up to its 16 rows and takes panels above.
+# AVX-512). Re-measured with the panels prefetching 32 lines ahead (below), on the same machine
+# run as an AVX2-only CPU (VLLM_CPU_ISA=avx2, ONEDNN_MAX_CPU_ISA=AVX2, ...), 2 threads, cold,
+# medians of 5 interleaved passes, panels against the small-M kernel: the 0.5B shape's
+# products 8 rows 0.94x, 9 0.98x, 10 1.07x, 12 1.13-1.15x, 16 1.31-1.34x; the 50M Llama's
+# 8 rows 1.18x, 10 1.12x, 12 1.22x, 16 1.26x (oneDNN's AVX2 products 0.74-1.06x). So AVX2
+# takes panels from AVX2_PANEL_MIN_ROWS.
 PANEL_MIN_ROWS = 5
+AVX2_PANEL_MIN_ROWS = 10
 PANEL_MAX_ROWS = 64
 # The panel kernel's software prefetch distance, in cache lines of each panel ahead (one line =
 # one k step of 16 columns; 0 = the hardware prefetchers alone). The 0.5B shape's 97 products
@@ -230,10 +236,14 @@ def _max_rows(dtype: torch.dtype) -> int:
 
 def panel_rows() -> tuple[int, int]:
     """(fewest, most) rows of the float32 products that take the panel kernel when the weight
-    has a panel copy (prepacked, -O2/-O3): from PANEL_MIN_ROWS on AVX-512, else from the first
-    row count the small-M kernel does not take; up to PANEL_MAX_ROWS."""
-    if torch.ops.vllm_cpu_linear.isa().startswith("avx512"):
+    has a panel copy (prepacked, -O2/-O3): from PANEL_MIN_ROWS on AVX-512, AVX2_PANEL_MIN_ROWS
+    on AVX2, else from the first row count the small-M kernel does not take; up to
+    PANEL_MAX_ROWS."""
+    isa = torch.ops.vllm_cpu_linear.isa()
+    if isa.startswith("avx512"):
         return PANEL_MIN_ROWS, PANEL_MAX_ROWS
+    if isa == "avx2":
+        return AVX2_PANEL_MIN_ROWS, PANEL_MAX_ROWS
     return _max_rows(torch.float32) + 1, PANEL_MAX_ROWS
 
 
