@@ -18,8 +18,11 @@ setup(
     description="A clean-room, vLLM-compatible LLM inference and serving engine built around "
     "optimization levels (-O0 .. -O3).",
     packages=find_packages(include=["vllm", "vllm.*"]),
+    # the C++ kernel sources (built on the user's machine at first use) and their headers
     package_data={"vllm": ["demo_model/*", "model_executor/kernels/*.cpp",
-                           "attention/csrc/*.cpp", "model_executor/layers/csrc/*.cpp"]},
+                           "model_executor/kernels/*.h", "attention/csrc/*.cpp",
+                           "distributed/csrc/*.cpp", "model_executor/layers/csrc/*.cpp",
+                           "model_executor/layers/csrc/*.h", "utils/csrc/*.h"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
