@@ -41,6 +41,9 @@ logger = init_logger(__name__)
 
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 """Flags of every build; the level's instruction-set flags (and -mtune=native) come after."""
+SHARED_HEADERS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc",
+                               "cpu_isa_level.h"),)
+"""Headers any kernel source may include (`#include "<file name>"`): every build pastes them."""
 
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
@@ -103,7 +106,11 @@ def source_with_headers(source_path: str, *header_paths: str) -> str:
     """The text of `source_path` with each header pasted in place of its
     `#include "<file name>"` line (the build compiles one file, and the hash covers it all)."""
     with open(source_path) as f:
-        text = f.read()
+        return paste_headers(f.read(), header_paths)
+
+
+def paste_headers(text: str, header_paths) -> str:
+    """`text` with each header's content in place of its `#include "<file name>"` line."""
     for header in header_paths:
         with open(header) as f:
             text = text.replace(f'#include "{os.path.basename(header)}"', f.read())
@@ -124,7 +131,7 @@ def _build_and_load(name: str, source_path: str, source_text: str | None, level:
         if source_text is None:
             with open(source_path) as f:
                 source_text = f.read()
-        source = source_text
+        source = paste_headers(source_text, SHARED_HEADERS)
         cflags = isa_cflags(level)
         digest = hashlib.sha256("\n".join([source, " ".join(cflags), torch.__version__,
                                            cpu_flags_text()]).encode()).hexdigest()[:16]

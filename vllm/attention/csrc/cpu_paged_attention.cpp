@@ -614,18 +614,7 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
                   out.as_strided({T, H, D}, {out.stride(0), D, 1}), window, soft_cap);
 }
 
-// The instruction-set level this library was compiled for (vllm/utils/cpu_info.py's names).
-std::string isa_level() {
-#if defined(__AVX512BF16__)
-  return "avx512_bf16";
-#elif defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__)
-  return "avx2";
-#else
-  return "native";
-#endif
-}
+#include "cpu_isa_level.h"
 
 }  // namespace
 
