@@ -216,7 +216,8 @@ def test_inductor_o3_whole_graph_matches_o0(checkpoints, caplog, tmp_path):
 def test_first_start_on_a_machine_accounts_the_kernel_builds(tmp_path):
     """With no built CPU kernels (an empty cache root and home cache), the builds during the
     first traced forward are the "cpu kernel build" row, not Dynamo tracing's, and the rows
-    still add up to the wall time."""
+    still add up to the wall time. (The linear kernels, the longest build, are switched off:
+    the paged-attention build is the one measured.)"""
     import os
     import subprocess
     import sys
@@ -228,13 +229,13 @@ def test_first_start_on_a_machine_accounts_the_kernel_builds(tmp_path):
             "print(json.dumps({'wall': e.startup_seconds, 'phases': e.startup_phases,\n"
             "                  'builds': e.startup_report['phases']['cpu kernel build']}))\n")
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "root"),
-           "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+           "XDG_CACHE_HOME": str(tmp_path / "xdg"), "VLLM_CPU_SMALL_M_LINEAR": "0"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=600, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     phases, wall = report["phases"], report["wall"]
-    assert report["builds"]["count"] >= 2  # the linear and the paged-attention kernels
+    assert report["builds"]["count"] >= 1  # the paged-attention kernels
     assert phases["cpu kernel build"] > 2 * phases["dynamo tracing"]
     named = sum(v for k, v in phases.items() if k != "other")
     assert named <= 1.05 * wall and phases["other"] < 0.05 * wall, (phases, wall)

@@ -132,13 +132,13 @@ def test_cuda_graph_capture_sizes_are_not_in_the_hash(platform):
     assert sized.compute_hash() != base.compute_hash()
 
 
-def test_hash_covers_graph_relevant_fields_only():
+def test_hash_covers_graph_relevant_fields_only(tmp_path):
     base = _hash()
     assert base == _hash()
     # Not in the hash: memory sizing, the dump path, the level itself.
     assert _hash(cache_config=CacheConfig(kv_cache_memory="1GiB")) == base
     assert _hash(cache_config=CacheConfig(gpu_memory_utilization=0.5)) == base
-    assert _hash(compilation_config={"debug_dump_path": "/tmp/x"}) == base
+    assert _hash(compilation_config={"debug_dump_path": str(tmp_path / "dump")}) == base
     assert _hash(scheduler_config=SchedulerConfig(max_num_seqs=7)) == base
     assert _hash(optimization_level=2) == base
     # In the hash: anything that changes the compiled graph.
