@@ -36,7 +36,8 @@ reports AVX-512 stops):
 
     bash benchmarks/build_llamacpp.sh avx2
     LLAMA_CPP_LIB_PATH=benchmarks/results/tmp/llamacpp-avx2/build/bin \
-        python benchmarks/bench_vs_llamacpp.py --isa avx2 --out benchmarks/results/vs_llamacpp_as_avx2
+        python benchmarks/bench_vs_llamacpp.py --isa avx2 \
+        --out benchmarks/results/vs_llamacpp_as_avx2
 """
 from __future__ import annotations
 

@@ -12,11 +12,11 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   rows as a single stream, which made one-row products another 1.25-1.4x faster, and takes
   float32 products up to 16 rows on AVX2 and 12 on AVX-512 (the measured crossovers below);
   on Intel CPUs each thread reads several far-apart streams at once (`weight_streams`).
-- batched decode products (5..64 rows) are bound by the FMAs' use of loads more than by the
-  weight's reads: -O2/-O3 keep a copy of each float32 weight in column panels (16 output
-  columns by K), which the panel kernel (csrc/cpu_panel_linear.h) multiplies as outer products
-  into tiles of rows x panels, 1.4-1.5x oneDNN's prepacked products at 12-16 rows
-  (`panel_rows`, PANEL_MIN_ROWS).
+- batched decode products (5..64 rows on AVX-512, 10..64 on AVX2) are bound by the FMAs' use
+  of loads more than by the weight's reads: -O2/-O3 keep a copy of each float32 weight in
+  column panels (16 output columns by K), which the panel kernel (csrc/cpu_panel_linear.h)
+  multiplies as outer products into tiles of rows x panels, 1.4-1.5x oneDNN's prepacked
+  products at 12-16 rows (`panel_rows`, PANEL_MIN_ROWS, AVX2_PANEL_MIN_ROWS).
 
 oneDNN builds and caches a primitive for every distinct row count (~0.55 MB each with the
 weight shape, in two caches of 1024 entries), so a server whose per-step token counts keep
@@ -92,10 +92,11 @@ AVX2_PANEL_MIN_ROWS = 10
 PANEL_MAX_ROWS = 64
 # The panel kernel's software prefetch distance, in cache lines of each panel ahead (one line =
 # one k step of 16 columns; 0 = the hardware prefetchers alone). The 0.5B shape's 97 products
-# on cold panel copies (Intel Xeon, AVX-512, medians of 4-5 interleaved passes): 2 threads,
-# 32 lines against 8: 5 rows 1.10x, 8 1.11x, 16 1.07x, 32 1.04x, 64 0.99x; one thread 5 rows
-# 1.15x, 12 1.08x, 16 1.08x, 48 1.02x (64 lines within 3% of 32; 16 lines half way). The 50M
-# Llama's products (mostly from L3), 2 threads: 8-16 rows 1.04-1.09x. Not measured on AVX2.
+# on cold panel copies (Intel Xeon, AVX-512), 32 lines against 8: 2 threads, paired medians
+# of 7 rounds (`bench_cpu_linear.py --prepacked --panel-prefetch 8 32`) 5 rows 1.07x, 8 1.11x,
+# 16 1.03x, 32 1.04x, 64 1.02x; one thread (medians of 4 passes) 5 rows 1.15x, 12 1.08x,
+# 16 1.08x, 48 1.02x (64 lines within 3% of 32; 16 lines half way). The 50M Llama's products
+# (mostly from L3), 2 threads: 8-16 rows 1.04-1.09x. Not compared on AVX2.
 PANEL_PREFETCH_LINES = 32
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
 # machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x
