@@ -96,7 +96,9 @@ PANEL_MAX_ROWS = 64
 # of 7 rounds (`bench_cpu_linear.py --prepacked --panel-prefetch 8 32`) 5 rows 1.07x, 8 1.11x,
 # 16 1.03x, 32 1.04x, 64 1.02x; one thread (medians of 4 passes) 5 rows 1.15x, 12 1.08x,
 # 16 1.08x, 48 1.02x (64 lines within 3% of 32; 16 lines half way). The 50M Llama's products
-# (mostly from L3), 2 threads: 8-16 rows 1.04-1.09x. Not compared on AVX2.
+# (mostly from L3), 2 threads: 8-16 rows 1.04-1.09x. The AVX2 build, on the same machine run
+# as an AVX2-only CPU (oneDNN and MKL limited too), 0.5B shape, 2 threads, paired medians of 7:
+# 10 rows 1.26x, 16 1.07x, 32 0.97x (1.09x per bandwidth).
 PANEL_PREFETCH_LINES = 32
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
 # machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x
