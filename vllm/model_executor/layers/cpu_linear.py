@@ -184,19 +184,20 @@ def prefetch_bytes() -> int:
         default = STREAMS_PREFETCH_BYTES
     else:
         default = PREFETCH_BYTES.get(torch.ops.vllm_cpu_linear.isa(), 8192)
-    return _whole_number_env("VLLM_CPU_LINEAR_PREFETCH_BYTES", "bytes", default)
+    return _prefetch_distance_env("VLLM_CPU_LINEAR_PREFETCH_BYTES", "bytes", default)
 
 
 def panel_prefetch_lines() -> int:
     """The panel kernel's prefetch distance in cache lines: VLLM_CPU_PANEL_PREFETCH_LINES when
     set (a ValueError names a bad value), else PANEL_PREFETCH_LINES."""
-    return _whole_number_env("VLLM_CPU_PANEL_PREFETCH_LINES", "cache lines of each panel ahead",
-                             PANEL_PREFETCH_LINES)
+    return _prefetch_distance_env("VLLM_CPU_PANEL_PREFETCH_LINES",
+                                  "cache lines of each panel ahead", PANEL_PREFETCH_LINES)
 
 
-def _whole_number_env(name: str, meaning: str, default: int) -> int:
-    """Environment variable `name` as a whole number >= 0 (0: no software prefetch), else
-    `default`; a ValueError names the variable, what it means and the bad value."""
+def _prefetch_distance_env(name: str, unit: str, default: int) -> int:
+    """A prefetch distance from environment variable `name` (a whole number of `unit` >= 0;
+    0: no software prefetch), else `default`; a ValueError names the variable and the bad
+    value."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -205,7 +206,7 @@ def _whole_number_env(name: str, meaning: str, default: int) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"{name} must be a whole number of {meaning} >= 0 (0: no software "
+        raise ValueError(f"{name} must be a whole number of {unit} >= 0 (0: no software "
                          f"prefetch), got {raw!r}")
     return value
 
