@@ -90,10 +90,12 @@ def widened_policy():
     """The C++ dispatcher told to widen bfloat16 products of more than 4 rows (as on an AVX2
     CPU), whatever this machine is; the process's own policy is restored after."""
     f32, bf16 = cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16)
-    torch.ops.vllm_cpu_linear.configure(f32, 4, True, True, *cpu_linear.panel_rows())
+    torch.ops.vllm_cpu_linear.configure(f32, 4, True, True, *cpu_linear.panel_rows(),
+                                        cpu_linear.aten_min_rows())
     yield
     torch.ops.vllm_cpu_linear.configure(f32, bf16, cpu_linear.onednn_linear_enabled(),
-                                        cpu_linear.bf16_widened(), *cpu_linear.panel_rows())
+                                        cpu_linear.bf16_widened(), *cpu_linear.panel_rows(),
+                                        cpu_linear.aten_min_rows())
 
 
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
@@ -210,7 +212,9 @@ def test_onednn_sees_few_row_counts():
             cpu_linear.dispatch_linear(torch.randn(rows, 16), w)
 
     seen = _onednn_row_counts(run)
-    assert seen == {cpu_linear.onednn_rows(r) for r in range(first, 301)}
+    # from aten_min_rows() rows on (Intel CPUs) products go to MKL's sgemm instead
+    last = min(300, (cpu_linear.aten_min_rows() or 301) - 1)
+    assert seen == {cpu_linear.onednn_rows(r) for r in range(first, last + 1)}
     assert len(seen) <= 25 < 301 - first
 
 
@@ -318,6 +322,75 @@ def test_weight_streams_default_per_vendor_and_env(monkeypatch):
         monkeypatch.setenv("VLLM_CPU_LINEAR_STREAMS", bad)
         with pytest.raises(ValueError, match=f"VLLM_CPU_LINEAR_STREAMS.*1, 2, 4, 8.*{bad!r}"):
             cpu_linear.weight_streams()
+
+
+def test_aten_min_rows_default_per_vendor_and_env(monkeypatch):
+    """Prefill-sized float32 products go to MKL's sgemm from 129 rows on Intel CPUs (measured
+    faster there), never elsewhere; VLLM_CPU_ATEN_LINEAR_MIN_ROWS overrides (0: never) and a
+    bad value is named."""
+    monkeypatch.delenv("VLLM_CPU_ATEN_LINEAR_MIN_ROWS", raising=False)
+    for vendor, expected in (("GenuineIntel", 129), ("AuthenticAMD", 0), ("", 0)):
+        monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda v=vendor: v)
+        assert cpu_linear.aten_min_rows() == expected
+    for good, expected in (("0", 0), ("65", 65), (" 300 ", 300), ("", 0)):
+        monkeypatch.setenv("VLLM_CPU_ATEN_LINEAR_MIN_ROWS", good)
+        assert cpu_linear.aten_min_rows() == expected
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv("VLLM_CPU_ATEN_LINEAR_MIN_ROWS", bad)
+        with pytest.raises(ValueError,
+                           match=f"VLLM_CPU_ATEN_LINEAR_MIN_ROWS.*>= 0 \\(0: never\\).*{bad!r}"):
+            cpu_linear.aten_min_rows()
+
+
+@pytest.fixture
+def aten_from_20_rows():
+    """The C++ dispatcher told to send float32 products of 20+ rows to aten (MKL); the
+    process's own policy is restored after."""
+    f32, bf16 = cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16)
+    torch.ops.vllm_cpu_linear.configure(f32, bf16, True, cpu_linear.bf16_widened(),
+                                        *cpu_linear.panel_rows(), 20)
+    yield
+    torch.ops.vllm_cpu_linear.configure(f32, bf16, cpu_linear.onednn_linear_enabled(),
+                                        cpu_linear.bf16_widened(), *cpu_linear.panel_rows(),
+                                        cpu_linear.aten_min_rows())
+
+
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+@pytest.mark.skipif(not cpu_linear.onednn_linear_enabled(), reason="no oneDNN")
+def test_products_from_aten_min_rows_go_to_aten_unpadded(aten_from_20_rows):
+    """From the policy's row count on, float32 products skip oneDNN (and its padding to a
+    bucket) for aten's F.linear on the exact rows; fewer rows keep oneDNN; bfloat16 and the
+    small-M kernel's products are not affected; every route gives F.linear's result."""
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 72), torch.randn(40)
+    small = cpu_linear._max_rows(torch.float32)
+    for rows, route in ((small, "small_m"), (19, "onednn"), (20, "aten"), (21, "aten"),
+                        (300, "aten")):
+        x = torch.randn(rows, 72)
+        assert cpu_linear.linear_route(x, w, b) == route, rows
+        torch.testing.assert_close(cpu_linear.dispatch_linear(x, w, b), F.linear(x, w, b),
+                                   atol=1e-4, rtol=1e-4)
+    assert _onednn_row_counts(lambda: cpu_linear.dispatch_linear(torch.randn(21, 72), w)) == set()
+    assert _onednn_row_counts(lambda: cpu_linear.dispatch_linear(torch.randn(19, 72), w)) == {20}
+    x3 = torch.randn(3, 9, 72)  # 27 rows over two leading dims
+    assert cpu_linear.linear_route(x3, w) == "aten"
+    torch.testing.assert_close(cpu_linear.dispatch_linear(x3, w), F.linear(x3, w))
+
+
+def test_python_route_without_cpp_keeps_aten_from_aten_min_rows(monkeypatch):
+    """Without the C++ build the Python route makes the same choice: oneDNN below
+    aten_min_rows() rows, F.linear from there (and always with 0)."""
+    if not cpu_linear.onednn_linear_enabled():
+        pytest.skip("no oneDNN")
+    w = torch.randn(24, 16)
+    monkeypatch.setenv("VLLM_CPU_ATEN_LINEAR_MIN_ROWS", "40")
+    assert cpu_linear._onednn_without_cpp(torch.randn(39, 16), w)
+    assert cpu_linear._onednn_without_cpp(torch.randn(3, 13, 16), w)  # 39 rows
+    assert not cpu_linear._onednn_without_cpp(torch.randn(40, 16), w)
+    assert not cpu_linear._onednn_without_cpp(torch.randn(2, 20, 16), w)
+    monkeypatch.setenv("VLLM_CPU_ATEN_LINEAR_MIN_ROWS", "0")
+    assert cpu_linear._onednn_without_cpp(torch.randn(4096, 16), w)
 
 
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),

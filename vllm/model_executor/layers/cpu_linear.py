@@ -3,7 +3,9 @@
 On the dev machines torch's CPU `F.linear` leaves speed on the table in two places:
 - float32 goes to MKL's sgemm, which reaches about half of what oneDNN's
   `mkldnn._linear_pointwise` does on the same plain [out, in] weight, for prefill- and
-  decode-shaped products alike (1.5-2.4x at 2..1152 rows);
+  decode-shaped products alike (1.5-2.4x at 2..1152 rows, measured on an AMD dev machine; on
+  an Intel Xeon MKL is the faster one on prefill-sized products, from 129 rows, which go
+  there: `aten_min_rows`);
 - decode products with a few rows are bound by reading the weight, and both MKL and oneDNN
   read it at about half the machine's bandwidth (bfloat16: ~15 of ~30 GB/s). A small C++
   kernel (csrc/cpu_small_m_linear.cpp) streams the weight with prefetching instead, for up to
@@ -37,7 +39,8 @@ copies of prepacked weights (cpu_prepacked_linear.py). The kernels are built at 
 process's ISA level (vllm/utils/cpu_kernels.py: avx2, avx512 or avx512_bf16, VLLM_CPU_ISA to
 force a lower one; `torch.ops.vllm_cpu_linear.isa()` says which), with vectors and tiles sized
 for that level's registers; when the build fails the same routes are taken in Python.
-VLLM_CPU_ONEDNN_LINEAR=0 / VLLM_CPU_SMALL_M_LINEAR=0 turn the two routes off.
+VLLM_CPU_ONEDNN_LINEAR=0 / VLLM_CPU_SMALL_M_LINEAR=0 turn the two routes off;
+VLLM_CPU_ATEN_LINEAR_MIN_ROWS sets where MKL takes over from oneDNN (0: never).
 """
 from __future__ import annotations
 
@@ -100,6 +103,15 @@ PANEL_MAX_ROWS = 64
 # as an AVX2-only CPU (oneDNN and MKL limited too), 0.5B shape, 2 threads, paired medians of 7:
 # 10 rows 1.26x, 16 1.07x, 32 0.97x (1.09x per bandwidth).
 PANEL_PREFETCH_LINES = 32
+# Fewest rows of the float32 products that go to aten's F.linear (MKL's sgemm, on the exact
+# rows) instead of oneDNN (rows padded to a bucket, `onednn_rows`), when no panel copy takes
+# them; per CPU vendor, 0 = never. Intel Xeon (AVX-512 + AMX, KVM), 2 threads, every layer
+# product of a model, paired medians of 5, MKL against the dispatcher's oneDNN: the 0.5B shape
+# at 65-128 rows 0.81-0.96x, 129 1.12x, 160 0.98x and 256 0.92x (exact buckets), 200 1.13x,
+# 300 1.07x, 512 1.02x, 600 1.15x, 1145 1.26-1.33x, 2048 1.12x; the 50M Llama's 1.06-1.34x from
+# 65 rows; the 0.5B shape run as an AVX2-only CPU (oneDNN and MKL limited to AVX2) 128 and 256
+# rows 0.98x, 129-2048 otherwise 1.11-1.19x. Not measured on AMD CPUs (oneDNN there, as before).
+ATEN_MIN_ROWS_BY_VENDOR = {"GenuineIntel": 129}
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
 # machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x
 # at 256; both ~1.5-5x aten's bfloat16 GEMM from 8 rows on).
@@ -125,12 +137,12 @@ def small_m_linear_available() -> bool:
                               source_text=source_with_headers(_SOURCE, _PANEL_HEADER)):
         return False
     if not _configured:
-        # a bad VLLM_CPU_LINEAR_STREAMS, VLLM_CPU_LINEAR_PREFETCH_BYTES or
-        # VLLM_CPU_PANEL_PREFETCH_LINES stops here
+        # a bad VLLM_CPU_LINEAR_STREAMS, VLLM_CPU_LINEAR_PREFETCH_BYTES,
+        # VLLM_CPU_PANEL_PREFETCH_LINES or VLLM_CPU_ATEN_LINEAR_MIN_ROWS stops here
         streams, distance, panel_lines = weight_streams(), prefetch_bytes(), panel_prefetch_lines()
         torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
                                             onednn_linear_enabled(), bf16_widened(),
-                                            *panel_rows())
+                                            *panel_rows(), aten_min_rows())
         torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
         torch.ops.vllm_cpu_linear.panel_prefetch_lines(panel_lines)
         torch.ops.vllm_cpu_linear.streams(streams)
@@ -184,20 +196,28 @@ def prefetch_bytes() -> int:
         default = STREAMS_PREFETCH_BYTES
     else:
         default = PREFETCH_BYTES.get(torch.ops.vllm_cpu_linear.isa(), 8192)
-    return _prefetch_distance_env("VLLM_CPU_LINEAR_PREFETCH_BYTES", "bytes", default)
+    return _non_negative_env("VLLM_CPU_LINEAR_PREFETCH_BYTES", "bytes",
+                             "no software prefetch", default)
 
 
 def panel_prefetch_lines() -> int:
     """The panel kernel's prefetch distance in cache lines: VLLM_CPU_PANEL_PREFETCH_LINES when
     set (a ValueError names a bad value), else PANEL_PREFETCH_LINES."""
-    return _prefetch_distance_env("VLLM_CPU_PANEL_PREFETCH_LINES",
-                                  "cache lines of each panel ahead", PANEL_PREFETCH_LINES)
+    return _non_negative_env("VLLM_CPU_PANEL_PREFETCH_LINES", "cache lines of each panel ahead",
+                             "no software prefetch", PANEL_PREFETCH_LINES)
 
 
-def _prefetch_distance_env(name: str, unit: str, default: int) -> int:
-    """A prefetch distance from environment variable `name` (a whole number of `unit` >= 0;
-    0: no software prefetch), else `default`; a ValueError names the variable and the bad
-    value."""
+def aten_min_rows() -> int:
+    """Fewest rows of the float32 products that go to MKL's sgemm instead of oneDNN:
+    VLLM_CPU_ATEN_LINEAR_MIN_ROWS when set (0: never; a ValueError names a bad value), else
+    the measured default of this CPU's vendor (ATEN_MIN_ROWS_BY_VENDOR; 0 for others)."""
+    return _non_negative_env("VLLM_CPU_ATEN_LINEAR_MIN_ROWS", "rows", "never",
+                             ATEN_MIN_ROWS_BY_VENDOR.get(cpu_vendor(), 0))
+
+
+def _non_negative_env(name: str, unit: str, zero_means: str, default: int) -> int:
+    """A whole number of `unit` >= 0 from environment variable `name` (0: `zero_means`), else
+    `default`; a ValueError names the variable and the bad value."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -206,8 +226,8 @@ def _prefetch_distance_env(name: str, unit: str, default: int) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"{name} must be a whole number of {unit} >= 0 (0: no software "
-                         f"prefetch), got {raw!r}")
+        raise ValueError(f"{name} must be a whole number of {unit} >= 0 (0: {zero_means}), "
+                         f"got {raw!r}")
     return value
 
 
@@ -294,8 +314,12 @@ def _onednn_padded(x: torch.Tensor, weight: torch.Tensor,
 
 
 def _onednn_without_cpp(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Without the C++ build: float32 products go to oneDNN (the only route left)."""
-    return x.dtype == torch.float32 and weight.dtype == x.dtype and onednn_linear_enabled()
+    """Without the C++ build: float32 products go to oneDNN (the only fast route left for few
+    rows), but not those of `aten_min_rows()` rows or more (F.linear's MKL sgemm there)."""
+    if x.dtype != torch.float32 or weight.dtype != x.dtype or not onednn_linear_enabled():
+        return False
+    threshold = aten_min_rows()
+    return threshold == 0 or x.numel() < threshold * x.shape[-1]
 
 
 def dispatch_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -556,6 +556,8 @@ struct Policy {
   int64_t f32_small_rows = 4;   // most rows for the small-M kernel, float32
   int64_t bf16_small_rows = 4;  // same, bfloat16
   bool onednn = true;           // float32 products with more rows: oneDNN (else aten::linear)
+  int64_t aten_min_rows = 0;    // float32 products of at least this many rows: aten::linear
+                                // (MKL's sgemm) even with oneDNN on; 0: never
   bool bf16_widened = false;    // bfloat16 products with more rows: widened blocks in oneDNN
   // float32 products of panel_min_rows..panel_max_rows rows with a weight that has a current
   // panel copy (set_packed): the panel kernel, whatever the other fields say
@@ -623,6 +625,7 @@ Route choose(const at::Tensor& x, const at::Tensor& weight,
       rows > 0 && weight.is_contiguous() && bias_dense)
     return Route::kWidened;
   if (x.scalar_type() != at::kFloat) return Route::kAten;
+  if (g_policy.aten_min_rows > 0 && rows >= g_policy.aten_min_rows) return Route::kAten;
   return g_policy.onednn ? Route::kOneDnn : Route::kAten;
 }
 
@@ -633,7 +636,10 @@ Route choose(const at::Tensor& x, const at::Tensor& weight,
 // per 1000 chat requests, towards ~1 GB with both caches full, then churn (issue 18). Rows are
 // therefore padded up to a bucket, 4 per octave (at most 25% more rows, ~8% on average over an
 // octave; products of 5..8 rows stay exact): ~36 row counts up to 2048 rows, so a model's
-// oneDNN caches stop growing once the buckets its batches use have been seen.
+// oneDNN caches stop growing once the buckets its batches use have been seen. The padding
+// is compute thrown away (up to a quarter of the rows), so where MKL's sgemm measured faster
+// on the exact rows (Policy::aten_min_rows: prefill-sized products) they go there; it keeps no
+// state per row count.
 int64_t onednn_rows(int64_t rows) {
   if (rows <= 8) return rows;
   int64_t octave = 8;  // rows in (octave, 2 * octave]
@@ -736,7 +742,8 @@ at::Tensor as_rows(const at::Tensor& x) {
 
 // F.linear(x, weight, bias) for x [..., K], weight [N, K]: the small-M kernel for a few rows,
 // the panel kernel on the weight's packed copy when one is registered and current (float32),
-// oneDNN on the plain weight (float32), aten::linear otherwise.
+// oneDNN on the plain weight (float32; from aten_min_rows rows aten::linear, MKL's sgemm, on
+// the exact rows), aten::linear otherwise.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
   at::Tensor packed;
@@ -775,8 +782,9 @@ int64_t streams(int64_t n) {
 }
 
 void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
-               bool bf16_widened, int64_t panel_min_rows, int64_t panel_max_rows) {
-  g_policy = Policy{f32_small_rows, bf16_small_rows, onednn,
+               bool bf16_widened, int64_t panel_min_rows, int64_t panel_max_rows,
+               int64_t aten_min_rows) {
+  g_policy = Policy{f32_small_rows, bf16_small_rows, onednn,         aten_min_rows,
                     bf16_widened,   panel_min_rows,  panel_max_rows};
 }
 
@@ -828,7 +836,8 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.def("linear_route(Tensor x, Tensor weight, Tensor? bias=None) -> str", &linear_route);
   m.def("onednn_rows(int rows) -> int", &onednn_rows);
   m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn, "
-        "bool bf16_widened=False, int panel_min_rows=5, int panel_max_rows=64) -> ()",
+        "bool bf16_widened=False, int panel_min_rows=5, int panel_max_rows=64, "
+        "int aten_min_rows=0) -> ()",
         &configure);
   m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
   m.def("streams(int n=-1) -> int", &streams);
