@@ -280,8 +280,8 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
 
 def linear_route(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> str:
-    """Which kernel `dispatch_linear` picks: "small_m", "packed" (the panel copy of a prepacked weight),
-    "onednn", "aten" (F.linear)."""
+    """Which kernel `dispatch_linear` picks: "small_m", "packed" (the panel copy of a
+    prepacked weight), "onednn", "widened", "aten" (F.linear)."""
     if small_m_linear_available():
         return torch.ops.vllm_cpu_linear.linear_route(x, weight, bias)
     return "onednn" if x.device.type == "cpu" and _onednn_without_cpp(x, weight) else "aten"
