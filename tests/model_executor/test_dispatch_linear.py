@@ -89,13 +89,18 @@ def test_dispatcher_is_one_native_call():
 def widened_policy():
     """The C++ dispatcher told to widen bfloat16 products of more than 4 rows (as on an AVX2
     CPU), whatever this machine is; the process's own policy is restored after."""
-    f32, bf16 = cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16)
-    torch.ops.vllm_cpu_linear.configure(f32, 4, True, True, *cpu_linear.panel_rows(),
-                                        cpu_linear.aten_min_rows())
+    torch.ops.vllm_cpu_linear.configure(cpu_linear._max_rows(torch.float32), 4, True, True,
+                                        *cpu_linear.panel_rows(), cpu_linear.aten_min_rows())
     yield
-    torch.ops.vllm_cpu_linear.configure(f32, bf16, cpu_linear.onednn_linear_enabled(),
-                                        cpu_linear.bf16_widened(), *cpu_linear.panel_rows(),
-                                        cpu_linear.aten_min_rows())
+    _restore_policy()
+
+
+def _restore_policy() -> None:
+    """The C++ dispatcher's policy as the process's first load set it."""
+    torch.ops.vllm_cpu_linear.configure(
+        cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16),
+        cpu_linear.onednn_linear_enabled(), cpu_linear.bf16_widened(), *cpu_linear.panel_rows(),
+        cpu_linear.aten_min_rows())
 
 
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
@@ -346,13 +351,11 @@ def test_aten_min_rows_default_per_vendor_and_env(monkeypatch):
 def aten_from_20_rows():
     """The C++ dispatcher told to send float32 products of 20+ rows to aten (MKL); the
     process's own policy is restored after."""
-    f32, bf16 = cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16)
-    torch.ops.vllm_cpu_linear.configure(f32, bf16, True, cpu_linear.bf16_widened(),
-                                        *cpu_linear.panel_rows(), 20)
+    torch.ops.vllm_cpu_linear.configure(
+        cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16), True,
+        cpu_linear.bf16_widened(), *cpu_linear.panel_rows(), 20)
     yield
-    torch.ops.vllm_cpu_linear.configure(f32, bf16, cpu_linear.onednn_linear_enabled(),
-                                        cpu_linear.bf16_widened(), *cpu_linear.panel_rows(),
-                                        cpu_linear.aten_min_rows())
+    _restore_policy()
 
 
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
