@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
 from vllm.model_executor.layers.cpu_linear import (
     _max_rows,
+    bf16_panel_rows,
     linear_route,
     panel_rows,
     small_m_linear_available,
@@ -67,8 +68,14 @@ def test_stale_or_missing_copy_falls_back_and_copies_die_with_the_weight():
 
 
 def test_not_eligible():
-    assert not cpl.prepack(torch.randn(4, 4, dtype=torch.bfloat16))
+    """bfloat16 weights only where the build packs bfloat16 panels (AVX2); never a
+    non-contiguous weight or another dtype."""
+    bf16 = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16), requires_grad=False)
+    assert cpl.prepack(bf16) == torch.ops.vllm_cpu_linear.bf16_panels()
+    assert cpl.can_prepack(bf16) == (bf16_panel_rows() != (0, 0))
     assert not cpl.prepack(torch.randn(4, 4).t())  # not contiguous
+    assert not cpl.prepack(torch.randn(4, 4, dtype=torch.float16))
+    assert not cpl.prepack(torch.randn(4, 4, dtype=torch.float64))
 
 
 def test_traced_by_the_compiler():
@@ -90,7 +97,7 @@ def test_background_prepacking_registers_every_queued_weight():
     weights = [torch.nn.Parameter(torch.randn(64, 32), requires_grad=False) for _ in range(5)]
     before = cpl.num_prepacked()
     assert all(cpl.prepack_in_background(w) for w in weights)
-    assert not cpl.prepack_in_background(torch.randn(4, 4, dtype=torch.bfloat16))
+    assert not cpl.prepack_in_background(torch.randn(4, 4).t())  # not contiguous
     x = torch.randn(ROWS, 32)
     torch.testing.assert_close(linear(x, weights[-1]), F.linear(x, weights[-1]))  # any state
     assert cpl.wait_for_prepacking() >= 0.0
@@ -247,7 +254,14 @@ def test_panel_kernel_rejects_what_does_not_fit():
         op.panel_linear(torch.randn(2, 8), panels, 40, None)  # N needs 3 panels
     with pytest.raises(RuntimeError, match="bias"):
         op.panel_linear(torch.randn(2, 8), panels, 20, torch.randn(19))
+    if not op.bf16_panels():
+        with pytest.raises(RuntimeError, match="float32.*this build packs no bfloat16"):
+            op.pack_panels(torch.randn(20, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="float32"):
-        op.pack_panels(torch.randn(20, 8, dtype=torch.bfloat16))
+        op.pack_panels(torch.randn(20, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="dtype"):  # float32 panels, bfloat16 x
+        op.panel_linear(torch.randn(2, 8, dtype=torch.bfloat16), panels, 20, None)
+    with pytest.raises(RuntimeError, match="bias"):  # bias of another dtype
+        op.panel_linear(torch.randn(2, 8), panels, 20, torch.randn(20, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="pack_panels"):  # not this weight's panels
         op.set_packed(torch.randn(40, 8), panels)

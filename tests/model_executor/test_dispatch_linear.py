@@ -90,7 +90,8 @@ def widened_policy():
     """The C++ dispatcher told to widen bfloat16 products of more than 4 rows (as on an AVX2
     CPU), whatever this machine is; the process's own policy is restored after."""
     torch.ops.vllm_cpu_linear.configure(cpu_linear._max_rows(torch.float32), 4, True, True,
-                                        *cpu_linear.panel_rows(), cpu_linear.aten_min_rows())
+                                        *cpu_linear.panel_rows(), cpu_linear.aten_min_rows(),
+                                        *cpu_linear.bf16_panel_rows())
     yield
     _restore_policy()
 
@@ -100,7 +101,7 @@ def _restore_policy() -> None:
     torch.ops.vllm_cpu_linear.configure(
         cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16),
         cpu_linear.onednn_linear_enabled(), cpu_linear.bf16_widened(), *cpu_linear.panel_rows(),
-        cpu_linear.aten_min_rows())
+        cpu_linear.aten_min_rows(), *cpu_linear.bf16_panel_rows())
 
 
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
@@ -353,7 +354,7 @@ def aten_from_20_rows():
     process's own policy is restored after."""
     torch.ops.vllm_cpu_linear.configure(
         cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16), True,
-        cpu_linear.bf16_widened(), *cpu_linear.panel_rows(), 20)
+        cpu_linear.bf16_widened(), *cpu_linear.panel_rows(), 20, *cpu_linear.bf16_panel_rows())
     yield
     _restore_policy()
 
@@ -452,3 +453,29 @@ def test_panel_rows_follow_the_isa(monkeypatch):
     assert prepack(w)
     routes = {rows: cpu_linear.linear_route(torch.randn(rows, 8), w) for rows in range(1, 80)}
     assert {r for r, route in routes.items() if route == "packed"} == set(range(lo, hi + 1))
+
+
+def test_bf16_panel_rows_follow_the_build(monkeypatch):
+    """bfloat16 products take a bfloat16 panel copy only where the build packs one (AVX2) and
+    BF16_PANEL_ROWS names the level: 4..128 rows there (measured faster than the small-M kernel
+    and the widened route), none elsewhere; the dispatcher is configured with the same."""
+    if not cpu_linear.small_m_linear_available():
+        pytest.skip("the C++ linear dispatcher could not be built")
+    op = torch.ops.vllm_cpu_linear
+    assert cpu_linear.BF16_PANEL_ROWS == {"avx2": (4, 128)}
+    assert op.bf16_panels() == (op.isa() == "avx2")
+    for builds, isa, rows in ((True, "avx2", (4, 128)), (False, "avx2", (0, 0)),
+                              (True, "avx512", (0, 0)), (False, "avx512_bf16", (0, 0))):
+        monkeypatch.setattr(op, "bf16_panels", lambda builds=builds: builds)
+        monkeypatch.setattr(op, "isa", lambda isa=isa: isa)
+        assert cpu_linear.bf16_panel_rows() == rows, (builds, isa)
+    monkeypatch.undo()
+    lo, hi = cpu_linear.bf16_panel_rows()
+    w = torch.nn.Parameter(torch.randn(24, 8, dtype=torch.bfloat16), requires_grad=False)
+    from vllm.model_executor.layers.cpu_prepacked_linear import prepack
+
+    assert prepack(w) == (lo > 0)
+    routes = {rows: cpu_linear.linear_route(torch.randn(rows, 8, dtype=torch.bfloat16), w)
+              for rows in range(1, 140)}
+    assert {r for r, route in routes.items() if route == "packed"} == (
+        set(range(lo, hi + 1)) if lo else set())

@@ -40,6 +40,42 @@ def check_linear() -> int:
     return cases
 
 
+def check_panels() -> int:
+    """The panel kernel at this level (float32; bfloat16 where the build packs it: AVX2) against
+    a float64 product, and the dispatcher's route with a prepacked weight: the panel copy for
+    the rows `panel_rows` / `bf16_panel_rows` give, F.linear's result on every route."""
+    from vllm.model_executor.layers import cpu_linear
+    from vllm.model_executor.layers.cpu_prepacked_linear import prepack
+
+    op = torch.ops.vllm_cpu_linear
+    gen = torch.Generator().manual_seed(1)
+    dtypes = [torch.float32] + ([torch.bfloat16] if op.bf16_panels() else [])
+    cases = 0
+    for dtype in dtypes:
+        lo, hi = cpu_linear.panel_rows() if dtype == torch.float32 else cpu_linear.bf16_panel_rows()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for n, k in [(5, 7), (37, 61), (67, 515)]:
+            w = torch.nn.Parameter(torch.randn(n, k, generator=gen).to(dtype),
+                                   requires_grad=False)
+            b = torch.randn(n, generator=gen).to(dtype)
+            panels = op.pack_panels(w)
+            assert panels.dtype == dtype
+            assert prepack(w)
+            for rows in (1, 4, 7, 13, 16, 17, 64, 70, 129):
+                x = torch.randn(rows, k + 5, generator=gen).to(dtype)[:, 2:k + 2]  # strided
+                want = x.double() @ w.double().t() + b.double()
+                got = op.panel_linear(x, panels, n, b)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got.double(), want, atol=tol * math.sqrt(k), rtol=tol)
+                route = cpu_linear.linear_route(x, w, b)
+                assert (route == "packed") == (lo <= rows <= hi), (dtype, rows, route)
+                torch.testing.assert_close(op.linear(x, w, b).double(),
+                                           F.linear(x, w, b).double(),
+                                           atol=tol * math.sqrt(k), rtol=tol)
+                cases += 1
+    return cases
+
+
 def check_attention() -> int:
     from test_cpu_paged_kernel import make_batch
 
@@ -92,6 +128,7 @@ def main() -> None:
     from vllm.utils.cpu_kernels import kernels_isa_level, loaded_isa_level
 
     report = {"level": kernels_isa_level(), "linear_cases": check_linear(),
+              "panel_cases": check_panels(),
               "attention_cases": check_attention(), "sampling_cases": check_sampling()}
     report["built"] = {
         "small_m_linear": [loaded_isa_level("small_m_linear"), torch.ops.vllm_cpu_linear.isa()],
@@ -99,6 +136,7 @@ def main() -> None:
         "sampling": [loaded_isa_level("sampling"), torch.ops.vllm_cpu_sampling.isa()],
     }
     report["bf16_dot"] = torch.ops.vllm_cpu_linear.has_bf16_dot()
+    report["bf16_panels"] = torch.ops.vllm_cpu_linear.bf16_panels()
     from vllm.config import VllmConfig
 
     report["summary_line"] = VllmConfig().summary_line()  # the engine's start-up line

@@ -131,7 +131,8 @@ def test_summary_line_names_the_cpu_kernels_level(cpu_platform, monkeypatch):
 @pytest.mark.parametrize("level", supported_isa_levels() or ["none"])
 def test_kernels_at_each_level_match_torch(level):
     """In a subprocess with VLLM_CPU_ISA=level: the linear (float32, bfloat16; 1..17 rows; odd
-    K and N), paged-attention and greedy-sampling kernels built at that level match torch, and
+    K and N), panel (float32; bfloat16 on AVX2; through the dispatcher too), paged-attention
+    and greedy-sampling kernels built at that level match torch, and
     every library reports the level it was compiled for."""
     if level == "none":
         pytest.skip("this CPU has none of the ISA levels")
@@ -149,4 +150,7 @@ def test_kernels_at_each_level_match_torch(level):
     assert report["linear_cases"] == 5 * 2 * 17
     assert report["attention_cases"] == 9 and report["sampling_cases"] == 5
     assert report["bf16_dot"] == (level == "avx512_bf16")
+    # float32 panels at every level, bfloat16 ones on AVX2: 3 shapes x 9 row counts each
+    assert report["bf16_panels"] == (level == "avx2")
+    assert report["panel_cases"] == 27 * (2 if level == "avx2" else 1)
     assert report["summary_line"].endswith(f"platform cpu, CPU kernels {level}")

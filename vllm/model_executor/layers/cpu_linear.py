@@ -18,7 +18,9 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   of loads more than by the weight's reads: -O2/-O3 keep a copy of each float32 weight in
   column panels (16 output columns by K), which the panel kernel (csrc/cpu_panel_linear.h)
   multiplies as outer products into tiles of rows x panels, 1.4-1.5x oneDNN's prepacked
-  products at 12-16 rows (`panel_rows`, PANEL_MIN_ROWS, AVX2_PANEL_MIN_ROWS).
+  products at 12-16 rows (`panel_rows`, PANEL_MIN_ROWS, AVX2_PANEL_MIN_ROWS). On AVX2 a
+  bfloat16 weight gets a bfloat16 panel copy, widened in registers: 4..128 rows 1.1-1.6x the
+  small-M kernel and the widened route (`bf16_panel_rows`).
 
 oneDNN builds and caches a primitive for every distinct row count (~0.55 MB each with the
 weight shape, in two caches of 1024 entries), so a server whose per-step token counts keep
@@ -112,6 +114,14 @@ PANEL_PREFETCH_LINES = 32
 # 65 rows; the 0.5B shape run as an AVX2-only CPU (oneDNN and MKL limited to AVX2) 128 and 256
 # rows 0.98x, 129-2048 otherwise 1.11-1.19x. Not measured on AMD CPUs (oneDNN there, as before).
 ATEN_MIN_ROWS_BY_VENDOR = {"GenuineIntel": 129}
+# bfloat16 products with a bfloat16 panel copy of the weight (-O2/-O3 prepack one where the
+# build packs bfloat16: AVX2, `torch.ops.vllm_cpu_linear.bf16_panels()`): the panel kernel for
+# these rows, per ISA level. Intel Xeon run as an AVX2-only CPU (VLLM_CPU_ISA=avx2, oneDNN
+# and MKL limited to AVX2), the Qwen2.5-0.5B shape's 97 products, cold, 2 threads, paired
+# medians of 5 against the plain weight's route (small-M to 48 rows, widened from 49): 1 row
+# 0.66x, 2 0.77x, 3 0.90x, 4 1.10x, 6 1.33x, 8 1.14x, 12 1.26x, 16 1.29x, 24 1.32x, 32 1.42x,
+# 48 1.47x, 64 1.59x, 96 1.35x, 128 1.18x, 256 1.02x, 512 1.03x.
+BF16_PANEL_ROWS = {"avx2": (4, 128)}
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
 # machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x
 # at 256; both ~1.5-5x aten's bfloat16 GEMM from 8 rows on).
@@ -142,7 +152,8 @@ def small_m_linear_available() -> bool:
         streams, distance, panel_lines = weight_streams(), prefetch_bytes(), panel_prefetch_lines()
         torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
                                             onednn_linear_enabled(), bf16_widened(),
-                                            *panel_rows(), aten_min_rows())
+                                            *panel_rows(), aten_min_rows(),
+                                            *bf16_panel_rows())
         torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
         torch.ops.vllm_cpu_linear.panel_prefetch_lines(panel_lines)
         torch.ops.vllm_cpu_linear.streams(streams)
@@ -269,6 +280,15 @@ def panel_rows() -> tuple[int, int]:
     if isa == "avx2":
         return AVX2_PANEL_MIN_ROWS, PANEL_MAX_ROWS
     return _max_rows(torch.float32) + 1, PANEL_MAX_ROWS
+
+
+def bf16_panel_rows() -> tuple[int, int]:
+    """(fewest, most) rows of the bfloat16 products that take the panel kernel when the weight
+    has a bfloat16 panel copy (BF16_PANEL_ROWS of this build's ISA level); (0, 0) where the
+    build packs no bfloat16 (the weights are then not prepacked)."""
+    if not torch.ops.vllm_cpu_linear.bf16_panels():
+        return 0, 0
+    return BF16_PANEL_ROWS.get(torch.ops.vllm_cpu_linear.isa(), (0, 0))
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -30,8 +30,10 @@ cached like any other:
     plain weight, and so does a weight without a current copy (never prepacked, or changed in
     place since).
 `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) prepacks the decoder's linears
-and the LM head (ParallelLMHead, applied eagerly through `dispatch_linear`). Without the C++
-build there is no prepacking, and compiled models call the Python op below instead.
+and the LM head (ParallelLMHead, applied eagerly through `dispatch_linear`): float32 weights,
+and bfloat16 ones where the build packs bfloat16 panels (AVX2, where bfloat16 has no fast
+GEMM: products of `cpu_linear.bf16_panel_rows()` rows). Without the C++ build there is no
+prepacking, and compiled models call the Python op below instead.
 """
 from __future__ import annotations
 
@@ -44,14 +46,19 @@ import weakref
 import torch
 
 from vllm.logger import init_logger
-from vllm.model_executor.layers.cpu_linear import dispatch_linear, small_m_linear_available
+from vllm.model_executor.layers.cpu_linear import (bf16_panel_rows, dispatch_linear,
+                                                   small_m_linear_available)
 
 logger = init_logger(__name__)
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.dim() == 2 and weight.is_contiguous()
-            and small_m_linear_available())
+    """A dense 2-D CPU weight in float32, or in bfloat16 where the build packs bfloat16 panels
+    (AVX2: `cpu_linear.bf16_panel_rows()`), with the C++ kernels built."""
+    if not (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and small_m_linear_available()):
+        return False
+    return weight.dtype == torch.float32 or bf16_panel_rows() != (0, 0)
 
 
 def _drop(key: int) -> None:
@@ -63,8 +70,7 @@ def _drop(key: int) -> None:
 
 def prepack(weight: torch.Tensor) -> bool:
     """Pack `weight` [out, in] into column panels and register the copy with the dispatcher;
-    False when the weight is not eligible (not float32 on the CPU, not contiguous, no C++
-    build)."""
+    False when the weight is not eligible (`can_prepack`)."""
     if not can_prepack(weight):
         return False
     version = weight._version

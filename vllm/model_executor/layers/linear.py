@@ -97,8 +97,8 @@ def compiled_with_opaque_linears() -> bool:
 
 
 def prepacking_wanted() -> bool:
-    """Whether the model being built prepacks its float32 CPU linear weights, the LM head's
-    included (`compilation_config.prepack_linear_weights`: the CPU at -O2/-O3)."""
+    """Whether the model being built prepacks its CPU linear weights (float32; bfloat16 on
+    AVX2), the LM head's included (`compilation_config.prepack_linear_weights`: the CPU at -O2/-O3)."""
     from vllm.config import get_current_vllm_config
 
     config = get_current_vllm_config()
@@ -113,7 +113,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     in bfloat16 to oneDNN's bfloat16 GEMM, which reads the weight at ~half the bandwidth at one
     row and has no fast kernel at all on AVX2: the 0.5B shape decoded 1.5x slower at -O2 than at
     -O0); with `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) a float32
-    weight is also packed into column panels after loading (in the background, finished after
+    weight (a bfloat16 one on AVX2) is also packed into column panels after loading (in the background, finished after
     ready if need be) and the op computes batched-decode products with that copy.
     With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
     which folds and prepacks them itself."""
@@ -138,7 +138,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
             from vllm.model_executor.layers.cpu_prepacked_linear import prepack_in_background
 
             self.cpu_op = cpu_linear_op()
-            if self.want_prepack and weight.dtype == torch.float32:
+            if self.want_prepack:  # float32, bfloat16 where packed (can_prepack)
                 prepack_in_background(weight)  # finished in the background, maybe after ready
 
     def apply(self, layer, x, bias=None):

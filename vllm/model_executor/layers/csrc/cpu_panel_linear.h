@@ -1,7 +1,10 @@
-// y = x W^T (+ b) for float32 x on a weight packed in column panels (the -O2 prepacked copy).
+// y = x W^T (+ b) for float32 or bfloat16 x on a weight packed in column panels (the -O2
+// prepacked copy).
 //
-//   torch.ops.vllm_cpu_linear.pack_panels(weight [N, K] float32) -> panels [ceil(N/16), K, 16]
+//   torch.ops.vllm_cpu_linear.pack_panels(weight [N, K] float32 or bfloat16)
+//       -> panels [ceil(N/16), K, 16] of the weight's dtype
 //   torch.ops.vllm_cpu_linear.panel_linear(x [M, K], panels, N, bias [N] or None) -> y [M, N]
+//   torch.ops.vllm_cpu_linear.bf16_panels() -> whether this build packs bfloat16 weights
 //
 // Pasted into cpu_small_m_linear.cpp's anonymous namespace (cpu_linear.py, `source_with_headers`), after
 // its vector type `vf`, `load` and kLanes.
@@ -13,6 +16,13 @@
 // the end, and each weight line read once per tile for all of its x rows (the dot-product tiles
 // of the small-M kernel load an x vector and a weight vector for every FMA pair, and reduce
 // every accumulator across its lanes at the end).
+//
+// bfloat16 weights (AVX2 builds: where neither oneDNN nor the CPU has bfloat16 arithmetic) are
+// packed the same way in bfloat16, half a cache line a step, with the 16 columns of a step in
+// the order the widening reads them (kBf16PanelOrder), and widened to float32 in registers by
+// interleaving with zero words, which takes a shuffle port and leaves the FMA ports to the
+// tile; x is widened when it is copied into tiles, accumulation is in float32 and y is rounded
+// to bfloat16 once at the end (as the small-M kernel does).
 //
 // Loops: x is first copied into tiles of its own ([rows of the tile] for each k, so a tile
 // broadcasts from one pointer at fixed offsets: with a pointer per row of x the compiler ran
@@ -41,24 +51,74 @@ constexpr int64_t kPanelKBlock = 256;
 constexpr int64_t kPanelChunkRows = 64;
 int64_t g_panel_prefetch_lines = 32;  // cpu_linear.py sets its PANEL_PREFETCH_LINES at load
 
-at::Tensor pack_panels(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "pack_panels: a dense float32 [N, K] weight expected");
-  const int64_t N = weight.size(0), K = weight.size(1);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define VLLM_BF16_PANELS 1
+// _mm256_unpacklo/hi_epi16(0, v) turn the 16 bfloat16 of a 32-byte load into two float32
+// vectors: words 0-3 and 8-11 (one 128-bit half each) into the first, 4-7 and 12-15 into the
+// second; packed position q holds column kBf16PanelOrder[q], so the two vectors are columns
+// 0-7 and 8-15.
+constexpr int64_t kBf16PanelOrder[kPanel] = {0, 1, 2, 3, 8, 9, 10, 11,
+                                             4, 5, 6, 7, 12, 13, 14, 15};
+
+inline void widen_panel_line(const c10::BFloat16* p, vf* out) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  out[0] = reinterpret_cast<vf>(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw)));
+  out[1] = reinterpret_cast<vf>(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw)));
+}
+#endif
+constexpr bool kBf16Panels =
+#if defined(VLLM_BF16_PANELS)
+    true;
+#else
+    false;
+#endif
+
+bool bf16_panels() { return kBf16Panels; }
+
+// One k step of a panel, the 16 columns as kPanelVecs float vectors.
+template <typename T>
+inline void panel_line(const T* p, vf* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int v = 0; v < kPanelVecs; ++v) out[v] = load(p + v * kLanes);
+  } else {
+#if defined(VLLM_BF16_PANELS)
+    widen_panel_line(p, out);
+#endif
+  }
+}
+
+template <typename T>
+void pack_panels_into(const T* w, T* out, int64_t N, int64_t K) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  at::Tensor packed = at::empty({panels, K, kPanel}, weight.options());
-  const float* w = weight.data_ptr<float>();
-  float* out = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      float* dst = out + p * K * kPanel;
-      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
-      for (int64_t k = 0; k < K; ++k) {
-        for (int64_t c = 0; c < cols; ++c) dst[k * kPanel + c] = w[(p * kPanel + c) * K + k];
-        for (int64_t c = cols; c < kPanel; ++c) dst[k * kPanel + c] = 0.0f;
+      T* dst = out + p * K * kPanel;
+      for (int64_t q = 0; q < kPanel; ++q) {
+        int64_t c = q;
+#if defined(VLLM_BF16_PANELS)
+        if constexpr (!std::is_same_v<T, float>) c = kBf16PanelOrder[q];
+#endif
+        const int64_t row = p * kPanel + c;
+        for (int64_t k = 0; k < K; ++k) dst[k * kPanel + q] = row < N ? w[row * K + k] : T(0.0f);
       }
     }
   });
+}
+
+at::Tensor pack_panels(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                  (weight.scalar_type() == at::kFloat ||
+                   (weight.scalar_type() == at::kBFloat16 && kBf16Panels)),
+              "pack_panels: a dense [N, K] weight of float32",
+              kBf16Panels ? " or bfloat16" : " (this build packs no bfloat16)",
+              " expected, got ", weight.scalar_type(), " of shape ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  at::Tensor packed = at::empty({(N + kPanel - 1) / kPanel, K, kPanel}, weight.options());
+  if (weight.scalar_type() == at::kFloat)
+    pack_panels_into(weight.data_ptr<float>(), packed.data_ptr<float>(), N, K);
+  else
+    pack_panels_into(weight.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(), N, K);
   return packed;
 }
 
@@ -66,8 +126,8 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 // kPanel floats apart; xt = the tile's rows of x, [k][MR]; y the tile's first output, rows ys
 // apart; ncols of the tile's NP * kPanel columns exist (the rest is the last panel's padding).
 // first: start from the bias (or zero) instead of y.
-template <int MR, int NP, bool kPrefetch>
-inline void panel_tile(const float* w, int64_t K, const float* xt, int64_t k0, int64_t k1,
+template <int MR, int NP, bool kPrefetch, typename T>
+inline void panel_tile(const T* w, int64_t K, const float* xt, int64_t k0, int64_t k1,
                        float* y, int64_t ys, int64_t ncols, const float* bias, bool first) {
   constexpr int V = NP * kPanelVecs;
   vf acc[MR][V];
@@ -88,12 +148,11 @@ inline void panel_tile(const float* w, int64_t K, const float* xt, int64_t k0, i
   const int64_t panel_stride = K * kPanel;
   const int64_t ahead = g_panel_prefetch_lines * kPanel;
   for (int64_t k = k0; k < k1; ++k) {
-    const float* wk = w + k * kPanel;
+    const T* wk = w + k * kPanel;
     if constexpr (kPrefetch)
       for (int p = 0; p < NP; ++p) __builtin_prefetch(wk + p * panel_stride + ahead);
     vf wv[V];
-    for (int p = 0; p < NP; ++p)
-      for (int v = 0; v < kPanelVecs; ++v) wv[p * kPanelVecs + v] = load(wk + p * panel_stride + v * kLanes);
+    for (int p = 0; p < NP; ++p) panel_line(wk + p * panel_stride, wv + p * kPanelVecs);
     const float* xk = xt + k * MR;
     for (int r = 0; r < MR; ++r) {
       const float xv = xk[r];
@@ -116,55 +175,83 @@ inline void panel_tile(const float* w, int64_t K, const float* xt, int64_t k0, i
 }
 
 // panel_tile for `rows` (1..MR) rows of x: the tile instantiated for that many.
-template <int MR, int NP>
-inline void panel_tile_rows(int rows, const float* w, int64_t K, const float* xt, int64_t k0,
+template <int MR, int NP, typename T>
+inline void panel_tile_rows(int rows, const T* w, int64_t K, const float* xt, int64_t k0,
                             int64_t k1, float* y, int64_t ys, int64_t ncols, const float* bias,
                             bool first, bool prefetch) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      if (prefetch) return panel_tile<MR, NP, true>(w, K, xt, k0, k1, y, ys, ncols, bias, first);
-      return panel_tile<MR, NP, false>(w, K, xt, k0, k1, y, ys, ncols, bias, first);
+      if (prefetch)
+        return panel_tile<MR, NP, true, T>(w, K, xt, k0, k1, y, ys, ncols, bias, first);
+      return panel_tile<MR, NP, false, T>(w, K, xt, k0, k1, y, ys, ncols, bias, first);
     }
-    panel_tile_rows<MR - 1, NP>(rows, w, K, xt, k0, k1, y, ys, ncols, bias, first, prefetch);
+    panel_tile_rows<MR - 1, NP, T>(rows, w, K, xt, k0, k1, y, ys, ncols, bias, first, prefetch);
   }
 }
 
+// x [M, K] in tiles, float32: the kPanelTileM rows from r0 (fewer in the last tile) at
+// xt + r0 * K, [k][rows].
+template <typename X>
+void copy_to_tiles(const X* xp, int64_t xs, int64_t M, int64_t K, float* xt) {
+  at::parallel_for(0, (M + kPanelTileM - 1) / kPanelTileM, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * kPanelTileM;
+      const int64_t rows = std::min<int64_t>(kPanelTileM, M - r0);
+      float* dst = xt + r0 * K;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = static_cast<float>(xp[(r0 + r) * xs + k]);
+    }
+  });
+}
+
+template <typename T>
+void panel_product(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bp,
+                   float* yp);
+
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N,
                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "panel_linear: float32 x [M, K] with a dense last dim expected");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                  x.stride(1) == 1,
+              "panel_linear: float32 or bfloat16 x [M, K] with a dense last dim expected");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat &&
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == dtype &&
                   panels.is_contiguous() && panels.size(1) == K && panels.size(2) == kPanel &&
                   panels.size(0) == (N + kPanel - 1) / kPanel,
-              "panel_linear: panels [ceil(N/16), K, 16] of x's K expected");
+              "panel_linear: panels [ceil(N/16), K, 16] of x's K and dtype expected");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias)
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
-                    bias->scalar_type() == at::kFloat,
-                "panel_linear: bias must be a dense float32 [N] tensor");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  if (K == 0) return has_bias ? y.copy_(bias->expand({M, N})) : y.zero_();
-  // x in tiles: the kPanelTileM rows from r0 (fewer in the last tile) at xt + r0 * K, [k][rows]
-  at::Tensor tiles = at::empty({M * K}, x.options());
-  float* xt = tiles.data_ptr<float>();
-  {
-    const float* xp = x.data_ptr<float>();
-    const int64_t xs = x.stride(0);
-    at::parallel_for(0, (M + kPanelTileM - 1) / kPanelTileM, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t r0 = t * kPanelTileM;
-        const int64_t rows = std::min<int64_t>(kPanelTileM, M - r0);
-        float* dst = xt + r0 * K;
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = xp[(r0 + r) * xs + k];
-      }
-    });
+                    bias->scalar_type() == dtype,
+                "panel_linear: bias must be a dense [N] tensor of x's dtype");
+  // float32 accumulators go to y between K blocks: a bfloat16 product computes into a float32
+  // y and is rounded once at the end
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor bias_f = has_bias ? bias->to(at::kFloat) : at::Tensor();
+  if (M == 0 || N == 0) {
+  } else if (K == 0) {
+    has_bias ? y.copy_(bias_f.expand({M, N})) : y.zero_();
+  } else if (dtype == at::kFloat) {
+    panel_product<float>(x, panels, N, has_bias ? bias_f.data_ptr<float>() : nullptr,
+                         y.data_ptr<float>());
+  } else {
+    panel_product<c10::BFloat16>(x, panels, N, has_bias ? bias_f.data_ptr<float>() : nullptr,
+                                 y.data_ptr<float>());
   }
-  const float* wp = panels.data_ptr<float>();
-  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+  return dtype == at::kFloat ? y : y.to(dtype);
+}
+
+template <typename T>
+void panel_product(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bp,
+                   float* yp) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor tiles = at::empty({M * K}, x.options().dtype(at::kFloat));
+  float* xt = tiles.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat)
+    copy_to_tiles(x.data_ptr<float>(), x.stride(0), M, K, xt);
+  else
+    copy_to_tiles(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, xt);
+  const T* wp = panels.data_ptr<T>();
   const int64_t num_panels = panels.size(0);
   const int64_t groups = (num_panels + kPanelTileP - 1) / kPanelTileP;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -184,16 +271,16 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
             // a full group of panels, or the last group's panels one at a time
             for (int64_t p = p0; p < p0 + np; p += (np == kPanelTileP ? np : 1)) {
               const int64_t c0 = p * kPanel;
-              const float* w = wp + p * K * kPanel;
+              const T* w = wp + p * K * kPanel;
               const float* xr = xt + r0 * K;
               float* yr = yp + r0 * N + c0;
               const float* b = bp ? bp + c0 : nullptr;
               if (np == kPanelTileP)
-                panel_tile_rows<kPanelTileM, kPanelTileP>(
+                panel_tile_rows<kPanelTileM, kPanelTileP, T>(
                     rows, w, K, xr, k0, k1, yr, N, std::min(N - c0, kPanelTileP * kPanel), b,
                     k0 == 0, prefetch);
               else
-                panel_tile_rows<kPanelTileM, 1>(rows, w, K, xr, k0, k1, yr, N,
+                panel_tile_rows<kPanelTileM, 1, T>(rows, w, K, xr, k0, k1, yr, N,
                                                 std::min(N - c0, kPanel), b, k0 == 0, prefetch);
             }
           }
@@ -201,7 +288,6 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
       }
     }
   });
-  return y;
 }
 
 // The prefetch distance of the panel kernel, cache lines of each panel ahead (0: none); a

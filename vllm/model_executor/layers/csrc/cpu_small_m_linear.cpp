@@ -64,7 +64,7 @@
 #include <unordered_map>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -563,6 +563,9 @@ struct Policy {
   // panel copy (set_packed): the panel kernel, whatever the other fields say
   int64_t panel_min_rows = 5;
   int64_t panel_max_rows = 64;
+  // the same for bfloat16 products (bfloat16 panels: AVX2 builds); 0..0: none
+  int64_t bf16_panel_min_rows = 0;
+  int64_t bf16_panel_max_rows = 0;
 };
 Policy g_policy;
 
@@ -609,8 +612,12 @@ Route choose(const at::Tensor& x, const at::Tensor& weight,
   const bool bias_dense = !has_bias || (bias->scalar_type() == x.scalar_type() &&
                                         bias->dim() == 1 && bias->is_contiguous());
   const int64_t rows = rows_of(x);
-  if (x.scalar_type() == at::kFloat && rows >= g_policy.panel_min_rows &&
-      rows <= g_policy.panel_max_rows && bias_dense) {
+  const bool panel_rows =
+      x.scalar_type() == at::kFloat
+          ? rows >= g_policy.panel_min_rows && rows <= g_policy.panel_max_rows
+          : x.scalar_type() == at::kBFloat16 && rows >= g_policy.bf16_panel_min_rows &&
+                rows <= g_policy.bf16_panel_max_rows && rows > 0;
+  if (panel_rows && bias_dense) {
     at::Tensor p = find_packed(weight);
     if (p.defined()) {
       if (packed) *packed = p;
@@ -741,7 +748,7 @@ at::Tensor as_rows(const at::Tensor& x) {
 }
 
 // F.linear(x, weight, bias) for x [..., K], weight [N, K]: the small-M kernel for a few rows,
-// the panel kernel on the weight's packed copy when one is registered and current (float32),
+// the panel kernel on the weight's packed copy when one is registered and current,
 // oneDNN on the plain weight (float32; from aten_min_rows rows aten::linear, MKL's sgemm, on
 // the exact rows), aten::linear otherwise.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
@@ -783,15 +790,18 @@ int64_t streams(int64_t n) {
 
 void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
                bool bf16_widened, int64_t panel_min_rows, int64_t panel_max_rows,
-               int64_t aten_min_rows) {
+               int64_t aten_min_rows, int64_t bf16_panel_min_rows,
+               int64_t bf16_panel_max_rows) {
   g_policy = Policy{f32_small_rows, bf16_small_rows, onednn,         aten_min_rows,
-                    bf16_widened,   panel_min_rows,  panel_max_rows};
+                    bf16_widened,   panel_min_rows,  panel_max_rows, bf16_panel_min_rows,
+                    bf16_panel_max_rows};
 }
 
 // Keep `packed` (the weight's panels, pack_panels) for products with `weight` while the weight
 // keeps its storage, shape and version (an in-place change makes the copy stale: not used).
 int64_t set_packed(const at::Tensor& weight, const at::Tensor& packed) {
-  TORCH_CHECK(weight.dim() == 2 && packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
+  TORCH_CHECK(weight.dim() == 2 && packed.dim() == 3 &&
+                  packed.scalar_type() == weight.scalar_type() &&
                   packed.is_contiguous() &&
                   packed.size(0) == (weight.size(0) + kPanel - 1) / kPanel &&
                   packed.size(1) == weight.size(1) && packed.size(2) == kPanel,
@@ -837,7 +847,7 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.def("onednn_rows(int rows) -> int", &onednn_rows);
   m.def("configure(int f32_small_rows, int bf16_small_rows, bool onednn, "
         "bool bf16_widened=False, int panel_min_rows=5, int panel_max_rows=64, "
-        "int aten_min_rows=0) -> ()",
+        "int aten_min_rows=0, int bf16_panel_min_rows=0, int bf16_panel_max_rows=0) -> ()",
         &configure);
   m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
   m.def("streams(int n=-1) -> int", &streams);
@@ -849,4 +859,6 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.def("panel_linear(Tensor x, Tensor panels, int N, Tensor? bias=None) -> Tensor");
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
   m.def("panel_prefetch_lines(int lines=-1) -> int", &panel_prefetch_lines);
+  // Whether pack_panels takes bfloat16 weights in this build (AVX2).
+  m.def("bf16_panels() -> bool", &bf16_panels);
 }
