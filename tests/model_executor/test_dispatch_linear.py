@@ -382,6 +382,36 @@ def test_products_from_aten_min_rows_go_to_aten_unpadded(aten_from_20_rows):
     torch.testing.assert_close(cpu_linear.dispatch_linear(x3, w), F.linear(x3, w))
 
 
+@pytest.fixture
+def widened_with_aten_from_20_rows():
+    """The C++ dispatcher told to widen bfloat16 products of more than 4 rows (as on an AVX2
+    CPU) and to send products of 20+ rows to aten; the process's own policy restored after."""
+    torch.ops.vllm_cpu_linear.configure(
+        cpu_linear._max_rows(torch.float32), 4, True, True, *cpu_linear.panel_rows(), 20)
+    yield
+    _restore_policy()
+
+
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+@pytest.mark.skipif(not cpu_linear.onednn_linear_enabled(), reason="no oneDNN")
+def test_widened_blocks_from_aten_min_rows_go_to_aten_unpadded(widened_with_aten_from_20_rows):
+    """Widened bfloat16 products of aten_min_rows rows or more compute their float32 blocks in
+    aten (MKL) on the exact rows, fewer rows in oneDNN padded to a bucket: oneDNN sees no row
+    count from the threshold on, and both give the float32 product rounded to bfloat16."""
+    torch.manual_seed(0)
+    k = 4096  # blocks of 256 weight rows: 600 rows are three blocks (256 + 256 + 88)
+    w, b = torch.randn(600, k).bfloat16(), torch.randn(600).bfloat16()
+    for rows in (19, 20, 37):
+        x = torch.randn(rows, k).bfloat16()
+        assert cpu_linear.linear_route(x, w, b) == "widened"
+        seen = _onednn_row_counts(lambda: cpu_linear.dispatch_linear(x, w, b))
+        assert seen == (set() if rows >= 20 else {20}), rows
+        got = cpu_linear.dispatch_linear(x, w, b)
+        want = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * k ** 0.5, rtol=1e-2)
+
+
 def test_python_route_without_cpp_keeps_aten_from_aten_min_rows(monkeypatch):
     """Without the C++ build the Python route makes the same choice: oneDNN below
     aten_min_rows() rows, F.linear from there (and always with 0)."""

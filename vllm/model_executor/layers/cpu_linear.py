@@ -113,6 +113,9 @@ PANEL_PREFETCH_LINES = 32
 # 300 1.07x, 512 1.02x, 600 1.15x, 1145 1.26-1.33x, 2048 1.12x; the 50M Llama's 1.06-1.34x from
 # 65 rows; the 0.5B shape run as an AVX2-only CPU (oneDNN and MKL limited to AVX2) 128 and 256
 # rows 0.98x, 129-2048 otherwise 1.11-1.19x. Not measured on AMD CPUs (oneDNN there, as before).
+# The widened bfloat16 route's float32 blocks follow the same threshold (the 0.5B shape's
+# products of 4 layers as AVX2, paired medians of 5, MKL against padded oneDNN: 129 rows
+# 1.30x, 200 1.12x, 300 1.07x, 600 1.23x; exact buckets 1024 0.92x, 2048 0.95-0.98x).
 ATEN_MIN_ROWS_BY_VENDOR = {"GenuineIntel": 129}
 # bfloat16 products with a bfloat16 panel copy of the weight (-O2/-O3 prepack one where the
 # build packs bfloat16: AVX2, `torch.ops.vllm_cpu_linear.bf16_panels()`): the panel kernel for

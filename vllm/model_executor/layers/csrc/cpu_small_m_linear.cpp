@@ -696,7 +696,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight,
 // no bfloat16 kernels below AVX-512: aten::linear then runs at a few GFLOP/s, 5-7x slower than
 // float32 at 64..2048 rows on an AVX2 machine). The weight is widened to float32 a block of rows
 // at a time into a buffer that stays in L2 (kWidenBlockFloats), and each block is one float32
-// oneDNN product with x widened once (its rows padded once to onednn_rows, as above); the
+// oneDNN product with x widened once (its rows padded once to onednn_rows, as above; from
+// Policy::aten_min_rows rows an aten::linear, MKL's sgemm, on the exact rows); the
 // result is rounded to bfloat16 block by block. No float32 copy of the whole weight is ever
 // held (the LM head of a 150k vocabulary would need ~0.5 GB per call).
 constexpr int64_t kWidenBlockFloats = 1024 * 1024;
@@ -710,7 +711,10 @@ void widen_rows(const c10::BFloat16* src, float* dst, int64_t n) {
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
-  const int64_t padded = onednn_rows(rows);
+  // prefill-sized products: each block in aten::linear (MKL's sgemm) on the exact rows, as
+  // float32 products of as many rows go (Policy::aten_min_rows)
+  const bool aten = g_policy.aten_min_rows > 0 && rows >= g_policy.aten_min_rows;
+  const int64_t padded = aten ? rows : onednn_rows(rows);
   at::Tensor xf = at::empty({padded, k}, x.options().dtype(at::kFloat));
   xf.narrow(0, 0, rows).copy_(x);
   xf.narrow(0, rows, padded - rows).zero_();  // only the padding rows
@@ -730,7 +734,8 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight,
     });
     std::optional<at::Tensor> bias_block;
     if (has_bias) bias_block = bias_f.narrow(0, n0, nb);
-    at::Tensor part = onednn_call(xf, buffer.narrow(0, 0, nb), bias_block);
+    at::Tensor part = aten ? at::linear(xf, buffer.narrow(0, 0, nb), bias_block)
+                           : onednn_call(xf, buffer.narrow(0, 0, nb), bias_block);
     out.narrow(1, n0, nb).copy_(part.narrow(0, 0, rows));
   }
   return out;
