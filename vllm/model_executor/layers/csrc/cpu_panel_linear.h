@@ -94,14 +94,16 @@ void pack_panels_into(const T* w, T* out, int64_t N, int64_t K) {
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       T* dst = out + p * K * kPanel;
+      const T* src[kPanel];  // the weight row of each packed position (nullptr: padding)
       for (int64_t q = 0; q < kPanel; ++q) {
         int64_t c = q;
 #if defined(VLLM_BF16_PANELS)
         if constexpr (!std::is_same_v<T, float>) c = kBf16PanelOrder[q];
 #endif
-        const int64_t row = p * kPanel + c;
-        for (int64_t k = 0; k < K; ++k) dst[k * kPanel + q] = row < N ? w[row * K + k] : T(0.0f);
+        src[q] = p * kPanel + c < N ? w + (p * kPanel + c) * K : nullptr;
       }
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t q = 0; q < kPanel; ++q) dst[k * kPanel + q] = src[q] ? src[q][k] : T(0.0f);
     }
   });
 }
