@@ -198,3 +198,32 @@ def test_compiled_linears_stay_opaque_in_float32_and_bfloat16(dtype):
                    if "vllm_cpu_linear" not in t), targets
     want = F.linear(x.float(), layer.weight.float()).to(dtype).float()
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_o2_prepacks_the_weights_the_build_can_pack(dtype):
+    """At -O2 a linear layer's weight gets a panel copy after loading: float32 always, bfloat16
+    where the build packs bfloat16 panels (AVX2); the product then takes the copy for the rows
+    the policy gives it, with F.linear's result."""
+    from vllm.model_executor.layers import cpu_linear
+    from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    if not cpu_linear.small_m_linear_available():
+        pytest.skip("the C++ linear dispatcher could not be built")
+    with set_current_vllm_config(VllmConfig(optimization_level=2)):
+        layer = ReplicatedLinear(64, 48, bias=False, params_dtype=dtype)
+    layer.weight.data.normal_()
+    layer.quant_method.process_weights_after_loading(layer)
+    wait_for_prepacking()
+    lo, hi = (cpu_linear.panel_rows() if dtype == torch.float32
+              else cpu_linear.bf16_panel_rows())
+    packs = dtype == torch.float32 or torch.ops.vllm_cpu_linear.bf16_panels()
+    assert (lo > 0) == packs
+    rows = lo if packs else 16
+    x = torch.randn(rows, 64, dtype=dtype)
+    assert (cpu_linear.linear_route(x, layer.weight) == "packed") == packs
+    out = layer(x)
+    out = out[0] if isinstance(out, tuple) else out
+    want = F.linear(x.float(), layer.weight.float()).to(dtype).float()
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

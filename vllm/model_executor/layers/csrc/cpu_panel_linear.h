@@ -49,6 +49,7 @@ constexpr int kPanelTileP = 1;
 #endif
 constexpr int64_t kPanelKBlock = 256;
 constexpr int64_t kPanelChunkRows = 64;
+// (k steps of each panel ahead: a float32 step is one cache line, a bfloat16 one half a line)
 int64_t g_panel_prefetch_lines = 32;  // cpu_linear.py sets its PANEL_PREFETCH_LINES at load
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
