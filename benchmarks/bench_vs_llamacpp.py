@@ -469,7 +469,10 @@ def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: d
                         if "error" not in r]
                 errors = [r["error"] for r in runs[(shape, dtype, engine)] if "error" in r]
                 med = median(vals)
-                entry = {"tok_s": med, "rounds": vals, "errors": errors}
+                rss = [r["peak_rss_mb"] for r in runs[(shape, dtype, engine)]
+                       if "error" not in r and "peak_rss_mb" in r]
+                entry = {"tok_s": med, "rounds": vals, "errors": errors,
+                         "peak_rss_mb": median(rss)}
                 if workload == "b1" and med is not None:
                     entry["weight_read_gb_s"] = case["weight_bytes"] * med / 1e9
                     entry["pct_of_bandwidth"] = 100 * entry["weight_read_gb_s"] / bw if bw else None
@@ -566,6 +569,16 @@ def markdown(summary: dict) -> str:
                          f"{ent['weight_read_gb_s']:.2f} ({fmt(ent['pct_of_bandwidth'], '.0f')}%)")
         lines.append(f"| {SHAPE_LABELS.get(r['shape'], r['shape'])} | {r['dtype']} | "
                      f"{r['weight_bytes'] / 1e6:.0f} | " + " | ".join(cells) + " |")
+    lines += ["", "Peak resident memory of each engine's process (MB, median over rounds; one "
+              "process runs a case's batch-1 and batch-16 workloads; ours at -O2/-O3 also "
+              "holds a panel copy of the linear weights; llama.cpp maps its GGUF file):", "",
+              "| model | dtype | " + " | ".join(LABELS[e] for e in engines) + " |",
+              "|---|---|" + "---|" * len(engines)]
+    for r in summary["rows"]:
+        if r["workload"] == "b1":
+            lines.append(f"| {SHAPE_LABELS.get(r['shape'], r['shape'])} | {r['dtype']} | "
+                         + " | ".join(fmt(r["engines"][e].get("peak_rss_mb"), ".0f")
+                                      for e in engines) + " |")
     checked = engines + ([EXACT] if any(EXACT in c["leading_match"]
                                         for c in summary["greedy_check"]) else [])
     lines += ["", f"Greedy check: how many of the first {CHECK_TOKENS} batch-1 tokens of each "
