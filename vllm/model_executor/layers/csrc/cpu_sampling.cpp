@@ -4,8 +4,8 @@
 //
 // Same result as torch.argmax(logits, dim=-1): the first index of the maximum, and the first
 // NaN's index in a row that holds one. torch's CPU argmax walks a row one element at a time
-// (~7 GB/s); this finds the row's maximum with 16-lane vector max operations, then the first
-// index holding it, and spreads rows over threads.
+// (~7 GB/s); this finds the row's maximum with vector max operations, then the first index
+// holding it, and spreads rows over threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,27 +18,57 @@
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
+// One vector register of this build's ISA level (AVX2: 8 lanes; a 64-byte vector type there was
+// lowered to slow code), and kAcc independent running maxima, so the loop is not one chain of
+// dependent compares. 16 rows of a 151936-entry vocabulary in cache, 2 threads (Intel Xeon,
+// fastest of 60): AVX2 build 3.80 -> 0.43 ms, AVX-512 1.46 -> 0.48 ms (torch.argmax 3.4-3.7).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#else
+constexpr int kVecBytes = 32;
+#endif
+typedef float vf __attribute__((vector_size(kVecBytes)));
+typedef int32_t vi __attribute__((vector_size(kVecBytes)));
+constexpr int kLanes = kVecBytes / 4;
+constexpr int kAcc = 4;
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline bool any_lane(vi mask) {
+  int64_t words[kVecBytes / 8];
+  std::memcpy(words, &mask, sizeof(mask));
+  int64_t any = 0;
+  for (int w = 0; w < kVecBytes / 8; ++w) any |= words[w];
+  return any != 0;
+}
 
 int64_t argmax_row(const float* x, int64_t n) {
-  vf m;
-  int64_t i = 0;
-  bool nan = false;
-  if (n >= kLanes) {
-    std::memcpy(&m, x, sizeof(m));
-    vf any_nan = m != m ? vf{} + 1.0f : vf{};
-    for (i = kLanes; i + kLanes <= n; i += kLanes) {
-      vf v;
-      std::memcpy(&v, x + i, sizeof(v));
-      m = v > m ? v : m;
-      any_nan = v != v ? vf{} + 1.0f : any_nan;
-    }
-    for (int l = 0; l < kLanes; ++l) nan = nan || any_nan[l] != 0.0f;
-  }
+  constexpr int64_t kStep = kLanes * kAcc;
   float best = -std::numeric_limits<float>::infinity();
-  if (n >= kLanes)
-    for (int l = 0; l < kLanes; ++l) best = std::max(best, m[l]);
+  bool nan = false;
+  int64_t i = 0;
+  if (n >= kStep) {
+    vf m[kAcc];
+    vi any_nan = vi{};
+    for (int a = 0; a < kAcc; ++a) {
+      m[a] = load(x + a * kLanes);
+      any_nan |= m[a] != m[a];
+    }
+    for (i = kStep; i + kStep <= n; i += kStep) {
+      for (int a = 0; a < kAcc; ++a) {
+        const vf v = load(x + i + a * kLanes);
+        m[a] = v > m[a] ? v : m[a];
+        any_nan |= v != v;
+      }
+    }
+    nan = any_lane(any_nan);
+    for (int a = 0; a < kAcc; ++a)
+      for (int l = 0; l < kLanes; ++l) best = std::max(best, m[a][l]);
+  }
   for (; i < n; ++i) {
     nan = nan || std::isnan(x[i]);
     best = std::max(best, x[i]);
@@ -47,7 +77,14 @@ int64_t argmax_row(const float* x, int64_t n) {
     for (int64_t j = 0; j < n; ++j)
       if (std::isnan(x[j])) return j;
   }
-  for (int64_t j = 0; j < n; ++j)
+  // the first index holding the maximum (the row is in cache now), a vector at a time
+  const vf target = vf{} + best;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    if (any_lane(load(x + j) == target))
+      for (int l = 0; l < kLanes; ++l)
+        if (x[j + l] == best) return j + l;
+  for (; j < n; ++j)
     if (x[j] == best) return j;
   return 0;  // every entry is -inf
 }
