@@ -98,7 +98,8 @@ def compiled_with_opaque_linears() -> bool:
 
 def prepacking_wanted() -> bool:
     """Whether the model being built prepacks its CPU linear weights (float32; bfloat16 on
-    AVX2), the LM head's included (`compilation_config.prepack_linear_weights`: the CPU at -O2/-O3)."""
+    AVX2), the LM head's included (`compilation_config.prepack_linear_weights`: the CPU at
+    -O2/-O3)."""
     from vllm.config import get_current_vllm_config
 
     config = get_current_vllm_config()
@@ -113,8 +114,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     in bfloat16 to oneDNN's bfloat16 GEMM, which reads the weight at ~half the bandwidth at one
     row and has no fast kernel at all on AVX2: the 0.5B shape decoded 1.5x slower at -O2 than at
     -O0); with `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) a float32
-    weight (a bfloat16 one on AVX2) is also packed into column panels after loading (in the background, finished after
-    ready if need be) and the op computes batched-decode products with that copy.
+    weight (a bfloat16 one on AVX2) is also packed into column panels after loading (in the
+    background, finished after ready if need be) and the op computes batched-decode products
+    with that copy.
     With Inductor freezing asked for (-cc.freezing=true) the linears stay visible to Inductor,
     which folds and prepacks them itself."""
 
