@@ -89,19 +89,29 @@ def test_dispatcher_is_one_native_call():
 def widened_policy():
     """The C++ dispatcher told to widen bfloat16 products of more than 4 rows (as on an AVX2
     CPU), whatever this machine is; the process's own policy is restored after."""
-    torch.ops.vllm_cpu_linear.configure(cpu_linear._max_rows(torch.float32), 4, True, True,
-                                        *cpu_linear.panel_rows(), cpu_linear.aten_min_rows(),
-                                        *cpu_linear.bf16_panel_rows())
+    _configure(bf16_small_rows=4, onednn=True, bf16_widened=True)
     yield
     _restore_policy()
 
 
+def _configure(bf16_small_rows: int | None = None, onednn: bool | None = None,
+               bf16_widened: bool | None = None, aten_min_rows: int | None = None) -> None:
+    """The C++ dispatcher's policy as the process's first load set it, but for the fields
+    given."""
+    def given(value, default):
+        return default if value is None else value
+
+    torch.ops.vllm_cpu_linear.configure(
+        cpu_linear._max_rows(torch.float32),
+        given(bf16_small_rows, cpu_linear._max_rows(torch.bfloat16)),
+        given(onednn, cpu_linear.onednn_linear_enabled()),
+        given(bf16_widened, cpu_linear.bf16_widened()), *cpu_linear.panel_rows(),
+        given(aten_min_rows, cpu_linear.aten_min_rows()), *cpu_linear.bf16_panel_rows())
+
+
 def _restore_policy() -> None:
     """The C++ dispatcher's policy as the process's first load set it."""
-    torch.ops.vllm_cpu_linear.configure(
-        cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16),
-        cpu_linear.onednn_linear_enabled(), cpu_linear.bf16_widened(), *cpu_linear.panel_rows(),
-        cpu_linear.aten_min_rows(), *cpu_linear.bf16_panel_rows())
+    _configure()
 
 
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
@@ -352,9 +362,7 @@ def test_aten_min_rows_default_per_vendor_and_env(monkeypatch):
 def aten_from_20_rows():
     """The C++ dispatcher told to send float32 products of 20+ rows to aten (MKL); the
     process's own policy is restored after."""
-    torch.ops.vllm_cpu_linear.configure(
-        cpu_linear._max_rows(torch.float32), cpu_linear._max_rows(torch.bfloat16), True,
-        cpu_linear.bf16_widened(), *cpu_linear.panel_rows(), 20, *cpu_linear.bf16_panel_rows())
+    _configure(onednn=True, aten_min_rows=20)
     yield
     _restore_policy()
 
@@ -386,8 +394,7 @@ def test_products_from_aten_min_rows_go_to_aten_unpadded(aten_from_20_rows):
 def widened_with_aten_from_20_rows():
     """The C++ dispatcher told to widen bfloat16 products of more than 4 rows (as on an AVX2
     CPU) and to send products of 20+ rows to aten; the process's own policy restored after."""
-    torch.ops.vllm_cpu_linear.configure(
-        cpu_linear._max_rows(torch.float32), 4, True, True, *cpu_linear.panel_rows(), 20)
+    _configure(bf16_small_rows=4, onednn=True, bf16_widened=True, aten_min_rows=20)
     yield
     _restore_policy()
 
