@@ -230,7 +230,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   // float32 accumulators go to y between K blocks: a bfloat16 product computes into a float32
   // y and is rounded once at the end
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  at::Tensor bias_f = has_bias ? bias->to(at::kFloat) : at::Tensor();
+  at::Tensor bias_f;
+  if (has_bias) bias_f = dtype == at::kFloat ? *bias : bias->to(at::kFloat);
   if (M == 0 || N == 0) {
   } else if (K == 0) {
     has_bias ? y.copy_(bias_f.expand({M, N})) : y.zero_();
