@@ -557,7 +557,8 @@ struct Policy {
   int64_t bf16_small_rows = 4;  // same, bfloat16
   bool onednn = true;           // float32 products with more rows: oneDNN (else aten::linear)
   int64_t aten_min_rows = 0;    // float32 products of at least this many rows: aten::linear
-                                // (MKL's sgemm) even with oneDNN on; 0: never
+                                // (MKL's sgemm) even with oneDNN on, and so are the widened
+                                // route's float32 blocks; 0: never
   bool bf16_widened = false;    // bfloat16 products with more rows: widened blocks in oneDNN
   // float32 products of panel_min_rows..panel_max_rows rows with a weight that has a current
   // panel copy (set_packed): the panel kernel, whatever the other fields say
