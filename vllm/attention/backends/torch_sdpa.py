@@ -341,7 +341,9 @@ def _sdpa(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     mask = mask.expand(*mask.shape[:-2], rows, mask.shape[-1])
     mask = mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
     result = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
-    return result.view(batch, heads, rows, head_size)
+    # CUDA's memory-efficient kernel returns [B, kv_heads, group * L, hd] strided as
+    # [B, group * L, kv_heads, hd]: no view splits its rows.
+    return result.reshape(batch, heads, rows, head_size)
 
 
 # Float32 score elements one explicit soft-capped call materialises at most (x4 bytes, and a
