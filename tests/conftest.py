@@ -8,6 +8,9 @@ import pytest
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The references are transformers' own modeling code: no Hub kernels (recent transformers
+# swaps them in by default on a GPU, and without the `kernels` package refuses to load).
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -52,7 +52,7 @@ def test_decode_metadata_stays_at_the_addresses_a_graph_captured():
 
 
 def test_backend_reports_full_graphs_for_decode_and_is_refused_where_it_cannot_run(
-        monkeypatch):
+        cpu_platform, monkeypatch):
     from vllm.attention.selector import get_attn_backend
 
     assert TritonAttentionBackend.cudagraph_support == \

@@ -117,6 +117,10 @@ def resolve(level, platform, backend, model, user, monkeypatch=None):
         setenv("VLLM_ATTENTION_BACKEND", backend)
     for name, value in env.items():
         setenv(name, value)
+    if monkeypatch:  # CUDA is simulated as on a machine without a GPU, also where one is
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     reset_current_platform()
     parallel = ParallelConfig(tensor_parallel_size=kwargs.get("tensor_parallel_size", 1))
     try:

@@ -71,9 +71,17 @@ def test_parallel_config_backends(monkeypatch):
 
     monkeypatch.setattr(parallel, "local_device_count", lambda: 2)
     assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
-    # More ranks than this machine holds: Ray (installed with the test extras).
-    assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2
-                          ).distributed_executor_backend == "ray"
+    # More ranks than this machine holds: Ray where it is installed, else local processes.
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    for ray_installed, backend in ((True, "ray"), (False, "mp")):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, _r=ray_installed:
+                            (object() if _r else None) if name == "ray"
+                            else real_find_spec(name, *a))
+        assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2
+                              ).distributed_executor_backend == backend
+    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
     assert ParallelConfig().distributed_executor_backend == "uni"
 
 

@@ -62,7 +62,7 @@ def test_uuid_follows_flags_and_sources(monkeypatch):
     assert a != manager(config(model, eliminate_noops=True, fuse_norm_quant=True)).uuid()
 
 
-def test_patterns_follow_the_models_scheme():
+def test_patterns_follow_the_models_scheme(cpu_platform):  # auto dtype float32 anywhere
     static = manager(config(model_configs.fp8("static"), fuse_norm_quant=True)).passes[0]
     dynamic = manager(config(model_configs.fp8("dynamic"), fuse_norm_quant=True)).passes[0]
     assert static.schemes == [mu.STATIC] and dynamic.schemes == [mu.PER_TOKEN]
