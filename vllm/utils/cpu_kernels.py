@@ -17,6 +17,9 @@ one library register the same op namespace, so a process loads all its kernels a
 the first call fixes it (`kernels_isa_level()`; the engine's start-up line names it). A CPU
 below AVX2 (or not x86) builds with -march=native (level "native").
 
+Processes starting together take turns building (a lock per library), and each build runs in
+its own folder and is renamed into place, so a library a process has loaded is never rewritten.
+
 The hash covers the source, the compiler flags, the torch version and the CPU's flags (the
 code is tuned with -mtune=native), so a changed source or another machine never loads a stale
 library. Loading a built library takes milliseconds. When VLLM_CACHE_ROOT points elsewhere
@@ -122,6 +125,52 @@ def cpu_extension_loaded(name: str) -> bool:
     return _loaded.get(name, False)
 
 
+def _load_built(path: str) -> bool:
+    """Load a library a build left at `path`; False when there is none (or a broken one)."""
+    import torch
+
+    if not os.path.isfile(path):
+        return False
+    try:
+        torch.ops.load_library(path)
+        return True
+    except OSError:  # not a library (a file from before builds were atomic): build again
+        return False
+
+
+def _build(ext_name: str, file_name: str, source: str, cflags: list[str],
+           directory: str) -> None:
+    """Build `source` into `directory/<ext_name>.so` and load it (or load what another
+    process built while this one waited for the directory's lock).
+
+    Processes that start together (test workers, TP ranks, replicas) take turns on one lock,
+    and each build runs in a fresh folder whose library is renamed into place: a library
+    another process has loaded is never rewritten under it (cold pages of a library changed
+    on disk crash that process, typically when it first throws an exception)."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    # (imported only to build: ~0.1 s, which a start that finds the library skips)
+    from torch.utils.cpp_extension import load
+
+    final = os.path.join(directory, f"{ext_name}.so")
+    with open(os.path.join(directory, "build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _load_built(final):
+            return
+        build_dir = tempfile.mkdtemp(prefix="build-", dir=directory)
+        try:
+            path = os.path.join(build_dir, file_name)
+            atomic_write(path, source)
+            load(name=ext_name, sources=[path], extra_cflags=cflags,
+                 extra_ldflags=["-fopenmp"], build_directory=build_dir,
+                 is_python_module=False, verbose=False)
+            os.replace(os.path.join(build_dir, f"{ext_name}.so"), final)
+        finally:
+            shutil.rmtree(build_dir, ignore_errors=True)
+
+
 def _build_and_load(name: str, source_path: str, source_text: str | None, level: str) -> bool:
     try:
         import torch
@@ -139,29 +188,16 @@ def _build_and_load(name: str, source_path: str, source_text: str | None, level:
         subdir = os.path.join(f"cpu_kernels_{name}", f"{level}-{digest}")
         directory = os.path.join(envs.VLLM_CACHE_ROOT, subdir)
         for root in dict.fromkeys([envs.VLLM_CACHE_ROOT, _default_cache_root()]):
-            built = os.path.join(root, subdir, f"{ext_name}.so")
-            if os.path.isfile(built):
-                try:
-                    torch.ops.load_library(built)
-                    return True
-                except OSError:  # a half-written library (an interrupted build): rebuild
-                    pass
+            if _load_built(os.path.join(root, subdir, f"{ext_name}.so")):
+                return True
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, os.path.basename(source_path))
-        if not os.path.isfile(path):
-            atomic_write(path, source)
-        # (imported only to build: ~0.1 s, which a start that finds the library skips)
-        from torch.utils.cpp_extension import load
-
         start = time.perf_counter()
         # Tens of seconds on a busy machine (the first start on it): say so while it lasts.
         with waiting(logger, f"Building the CPU kernel {name}",
                      announce=f"Building the CPU kernel {name} (once per machine and ISA level, "
                      f"here {level}: up to a minute or two on a busy one) ...",
                      done=f"Built the CPU kernel {name} into {directory}"):
-            load(name=ext_name, sources=[path], extra_cflags=cflags,
-                 extra_ldflags=["-fopenmp"], build_directory=directory, is_python_module=False,
-                 verbose=False)
+            _build(ext_name, os.path.basename(source_path), source, cflags, directory)
         elapsed = time.perf_counter() - start
         from vllm.utils.startup_timer import CPU_KERNEL_BUILD, get_startup_timer
 
