@@ -13,15 +13,15 @@
 # OUT_DIR (default $OUT, else /tmp/device_check) as they happen: pytest-reportlog JSON lines
 # (tracebacks included, even when a stage is cut short), logs and benchmark tables.
 #
-# Packages the machine may lack travel as wheels in .whl/ (installed first when present):
-# fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc
-# typing-inspection opentelemetry-api openai jiter distro sniffio httpx2 httpcore2 truststore
-# pytest-reportlog, and transformers + huggingface_hub of the versions the project tests with.
+# Packages the machine lacks travel as wheels in .whl/ (installed first when present):
+# `bash scripts/device_wheels.sh` fetches them here; the run carries ".whl". Last run
+# (2026-12-04, torch 2.11+cu130): -O1/-O2 CUDA graph replays (full graphs for decode) and the
+# Triton kernels passed; -O3's cold start of the 2-layer test model exceeded 200 s.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-/tmp/device_check}}
 mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 USE_HUB_KERNELS=0
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
