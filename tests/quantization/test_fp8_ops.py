@@ -164,6 +164,7 @@ def test_scaled_mm_on_cpu_agrees_with_the_dequantized_gemm():
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Triton kernels)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("hidden", [256, 896])
