@@ -285,6 +285,20 @@ def run_bandwidth(args) -> dict:
     return {"read_gb_s": best}
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory since it started its program. Not getrusage's
+    ru_maxrss: Linux carries that across exec from the forked parent (the benchmark's own
+    process, a few GB after converting checkpoints), so every worker reported at least that."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def worker(args) -> None:
     if args.worker != "llamacpp":  # llama.cpp's process loads no torch (nor its OpenMP pool)
         import torch
@@ -295,7 +309,7 @@ def worker(args) -> None:
         args.worker, run_ours)
     result = run(args)
     result["process_s"] = time.perf_counter() - started
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = peak_rss_mb()
     print(_RESULT + json.dumps(result), flush=True)
 
 

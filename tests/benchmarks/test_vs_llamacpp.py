@@ -205,3 +205,18 @@ def test_report_says_when_it_ran_as_avx2():
     assert "AVX2-only" not in bench.markdown({**summary, "isa": "native"})
     text = bench.markdown({**summary, "isa": "avx2"})
     assert "Run as on an AVX2-only CPU" in text and "ONEDNN_MAX_CPU_ISA=AVX2" in text
+
+
+def test_peak_rss_is_the_workers_own_not_its_forked_parents():
+    """A worker started by a process holding ~400 MB reports its own peak, not the parent's
+    (getrusage's ru_maxrss carries the parent's over fork + exec)."""
+    code = ("import os, subprocess, sys\n"
+            "held = bytearray(400 << 20)\n"
+            "held[::4096] = b'x' * len(held[::4096])  # resident\n"
+            "child = ('import sys; sys.path.insert(0, sys.argv[1]); '\n"
+            "         'import bench_vs_llamacpp as b; print(b.peak_rss_mb())')\n"
+            "print(subprocess.run([sys.executable, '-c', child, sys.argv[1]],\n"
+            "                     capture_output=True, text=True, check=True).stdout)\n")
+    out = subprocess.run([sys.executable, "-c", code, BENCH], capture_output=True, text=True,
+                         check=True).stdout
+    assert 5 < float(out.strip()) < 300, out
