@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -55,6 +54,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # this checkout's vllm, installed or not
+from process_memory import peak_rss_mb  # noqa: E402
+
 _RESULT = "VS_LLAMACPP_RESULT "
 ENGINES = ("hf", "llamacpp", "O0", "O2", "O3")
 LABELS = {"hf": "transformers eager", "llamacpp": "llama.cpp", "O0": "ours -O0",
@@ -283,20 +284,6 @@ def run_bandwidth(args) -> dict:
             read()
             best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
     return {"read_gb_s": best}
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory since it started its program. Not getrusage's
-    ru_maxrss: Linux carries that across exec from the forked parent (the benchmark's own
-    process, a few GB after converting checkpoints), so every worker reported at least that."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def worker(args) -> None:

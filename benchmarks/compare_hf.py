@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from process_memory import peak_rss_mb  # noqa: E402
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -128,7 +128,7 @@ def worker(args) -> None:
                           args.repeats)
     else:
         result = run_hf(args.path, args.dtype, args.batch, args.max_tokens, args.repeats)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = peak_rss_mb()
     print("RESULT " + json.dumps(result))
 
 
