@@ -46,6 +46,7 @@ VLLM_CPU_ATEN_LINEAR_MIN_ROWS sets where MKL takes over from oneDNN (0: never).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -146,8 +147,10 @@ def small_m_linear_available() -> bool:
     """Build (first call on this machine) and load the C++ linear kernels; True when usable.
     The first successful load also tells the C++ dispatcher the routing policy."""
     global _configured
+    if _configured:  # (every eager linear asks: the answer costs nothing once it is yes)
+        return True
     if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR",
-                              source_text=source_with_headers(_SOURCE, _PANEL_HEADER)):
+                              source_text=_source_text()):
         return False
     if not _configured:
         # a bad VLLM_CPU_LINEAR_STREAMS, VLLM_CPU_LINEAR_PREFETCH_BYTES,
@@ -162,6 +165,12 @@ def small_m_linear_available() -> bool:
         torch.ops.vllm_cpu_linear.streams(streams)
         _configured = True
     return True
+
+
+@functools.cache
+def _source_text() -> str:
+    """The kernel source with its headers pasted in (read once per process)."""
+    return source_with_headers(_SOURCE, _PANEL_HEADER)
 
 
 _configured = False
