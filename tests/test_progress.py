@@ -3,6 +3,7 @@ assertion depends on how fast the machine is."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import pytest
@@ -173,10 +174,11 @@ def test_a_cpu_kernel_build_logs_while_it_lasts(tmp_path, monkeypatch, clock, wa
 
     from vllm.utils import cpu_kernels
 
-    def build(**kwargs) -> None:  # a "build" of 12 s on the fake clock
+    def build(name, build_directory, **kwargs) -> None:  # a "build" of 12 s on the fake clock
         for _ in range(12):
             clock.now += 1.0
             watcher.poll()
+        open(os.path.join(build_directory, f"{name}.so"), "w").close()
 
     monkeypatch.setattr(progress, "_watcher", watcher)
     monkeypatch.setattr(torch.utils.cpp_extension, "load", build)

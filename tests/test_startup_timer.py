@@ -1,6 +1,7 @@
 """StartupTimer: phases, repeated phases, table and dict views, the global instance."""
 from __future__ import annotations
 
+import os
 import time
 
 from vllm.utils.startup_timer import StartupTimer, get_startup_timer, reset_startup_timer
@@ -94,8 +95,11 @@ def test_a_cpu_kernel_build_is_a_row_of_its_own(tmp_path, monkeypatch):
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "root"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(torch.utils.cpp_extension, "load",
-                        lambda **kwargs: time.sleep(0.1))  # a "build" that takes 0.1 s
+    def build(name, build_directory, **kwargs) -> None:  # a "build" that takes 0.1 s
+        time.sleep(0.1)
+        open(os.path.join(build_directory, f"{name}.so"), "w").close()
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
     timer = reset_startup_timer()
     start = time.perf_counter()
     with timer.phase_around("weight loading", (CPU_KERNEL_BUILD,)):

@@ -412,7 +412,7 @@ def test_widened_blocks_from_aten_min_rows_go_to_aten_unpadded(widened_with_aten
     for rows in (19, 20, 37):
         x = torch.randn(rows, k).bfloat16()
         assert cpu_linear.linear_route(x, w, b) == "widened"
-        seen = _onednn_row_counts(lambda: cpu_linear.dispatch_linear(x, w, b))
+        seen = _onednn_row_counts(lambda x=x: cpu_linear.dispatch_linear(x, w, b))
         assert seen == (set() if rows >= 20 else {20}), rows
         got = cpu_linear.dispatch_linear(x, w, b)
         want = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Building a CPU kernel library: each build in a fresh folder, renamed into place, and one
+"""Building a CPU kernel library: each build in a fresh folder, copied into place, and one
 build at a time per library (processes that start together wait and load the result), so a
 library some process has loaded is never rewritten under it. The compiler is replaced by a
 stand-in that writes a file; loading is recorded."""
@@ -41,7 +41,7 @@ def build(name="k"):
     return cpu_kernels._build_and_load(name, "/src/k.cpp", SOURCE, "native")
 
 
-def test_each_build_runs_in_its_own_folder_and_is_renamed_into_place(builds):
+def test_each_build_runs_in_its_own_folder_and_is_copied_into_place(builds):
     folders, loaded = builds
     assert build()
     (folder,) = folders

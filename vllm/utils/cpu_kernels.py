@@ -18,7 +18,8 @@ the first call fixes it (`kernels_isa_level()`; the engine's start-up line names
 below AVX2 (or not x86) builds with -march=native (level "native").
 
 Processes starting together take turns building (a lock per library), and each build runs in
-its own folder and is renamed into place, so a library a process has loaded is never rewritten.
+its own folder and is copied into place atomically, so a library a process has loaded is never
+rewritten.
 
 The hash covers the source, the compiler flags, the torch version and the CPU's flags (the
 code is tuned with -mtune=native), so a changed source or another machine never loads a stale
@@ -37,7 +38,7 @@ import time
 
 from vllm.logger import init_logger
 from vllm.utils.cpu_info import cpu_flags_text, cpu_isa_level, isa_level
-from vllm.utils.file_utils import atomic_write
+from vllm.utils.file_utils import atomic_path, atomic_write
 from vllm.utils.progress import waiting
 
 logger = init_logger(__name__)
@@ -144,9 +145,9 @@ def _build(ext_name: str, file_name: str, source: str, cflags: list[str],
     process built while this one waited for the directory's lock).
 
     Processes that start together (test workers, TP ranks, replicas) take turns on one lock,
-    and each build runs in a fresh folder whose library is renamed into place: a library
-    another process has loaded is never rewritten under it (cold pages of a library changed
-    on disk crash that process, typically when it first throws an exception)."""
+    and each build runs in a fresh folder whose library is then copied into place atomically:
+    a library another process has loaded is never rewritten under it (cold pages of a library
+    changed on disk crash that process, typically when it first throws an exception)."""
     import fcntl
     import shutil
     import tempfile
@@ -166,7 +167,8 @@ def _build(ext_name: str, file_name: str, source: str, cflags: list[str],
             load(name=ext_name, sources=[path], extra_cflags=cflags,
                  extra_ldflags=["-fopenmp"], build_directory=build_dir,
                  is_python_module=False, verbose=False)
-            os.replace(os.path.join(build_dir, f"{ext_name}.so"), final)
+            with atomic_path(final) as tmp:  # (torch loaded the library from build_dir)
+                shutil.copyfile(os.path.join(build_dir, f"{ext_name}.so"), tmp)
         finally:
             shutil.rmtree(build_dir, ignore_errors=True)
 

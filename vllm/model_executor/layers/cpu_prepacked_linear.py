@@ -46,8 +46,11 @@ import weakref
 import torch
 
 from vllm.logger import init_logger
-from vllm.model_executor.layers.cpu_linear import (bf16_panel_rows, dispatch_linear,
-                                                   small_m_linear_available)
+from vllm.model_executor.layers.cpu_linear import (
+    bf16_panel_rows,
+    dispatch_linear,
+    small_m_linear_available,
+)
 
 logger = init_logger(__name__)
 
