@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from vllm.model_executor.layers import cpu_prepacked_linear as cpl
 from vllm.model_executor.layers.cpu_linear import (
     _max_rows,
-    bf16_panel_rows,
+    bf16_packed_rows,
     linear_route,
     panel_rows,
     small_m_linear_available,
@@ -68,11 +68,11 @@ def test_stale_or_missing_copy_falls_back_and_copies_die_with_the_weight():
 
 
 def test_not_eligible():
-    """bfloat16 weights only where the build packs bfloat16 panels (AVX2); never a
-    non-contiguous weight or another dtype."""
+    """bfloat16 weights only where they get a packed copy (bfloat16 panels on AVX2, oneDNN's
+    reorder where it has bfloat16 kernels); never a non-contiguous weight or another dtype."""
     bf16 = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16), requires_grad=False)
-    assert cpl.prepack(bf16) == torch.ops.vllm_cpu_linear.bf16_panels()
-    assert cpl.can_prepack(bf16) == (bf16_panel_rows() != (0, 0))
+    assert cpl.prepack(bf16) == (bf16_packed_rows() != (0, 0))
+    assert cpl.can_prepack(bf16) == (bf16_packed_rows() != (0, 0))
     assert not cpl.prepack(torch.randn(4, 4).t())  # not contiguous
     assert not cpl.prepack(torch.randn(4, 4, dtype=torch.float16))
     assert not cpl.prepack(torch.randn(4, 4, dtype=torch.float64))

@@ -106,7 +106,7 @@ def _configure(bf16_small_rows: int | None = None, onednn: bool | None = None,
         given(bf16_small_rows, cpu_linear._max_rows(torch.bfloat16)),
         given(onednn, cpu_linear.onednn_linear_enabled()),
         given(bf16_widened, cpu_linear.bf16_widened()), *cpu_linear.panel_rows(),
-        given(aten_min_rows, cpu_linear.aten_min_rows()), *cpu_linear.bf16_panel_rows())
+        given(aten_min_rows, cpu_linear.aten_min_rows()), *cpu_linear.bf16_packed_rows())
 
 
 def _restore_policy() -> None:
@@ -492,30 +492,42 @@ def test_panel_rows_follow_the_isa(monkeypatch):
     assert {r for r, route in routes.items() if route == "packed"} == set(range(lo, hi + 1))
 
 
-def test_bf16_panel_rows_follow_the_build(monkeypatch):
-    """bfloat16 products take a bfloat16 panel copy only where the build packs one (AVX2) and
-    BF16_PANEL_ROWS names the level: 4..128 rows there (measured faster than the small-M kernel
-    and the widened route), none elsewhere; the dispatcher is configured with the same."""
+def test_bf16_packed_rows_follow_the_build(monkeypatch):
+    """bfloat16 products take a packed copy where the build packs bfloat16 panels (AVX2:
+    BF16_PANEL_ROWS names the level, 4..128 rows, measured faster than the small-M kernel and
+    the widened route), else where oneDNN has bfloat16 kernels (its reorder, from 5 rows on),
+    none elsewhere; the dispatcher is configured with the same, and the products match
+    F.linear on every route."""
     if not cpu_linear.small_m_linear_available():
         pytest.skip("the C++ linear dispatcher could not be built")
     op = torch.ops.vllm_cpu_linear
     assert cpu_linear.BF16_PANEL_ROWS == {"avx2": (4, 128)}
     assert op.bf16_panels() == (op.isa() == "avx2")
-    for builds, isa, rows in ((True, "avx2", (4, 128)), (False, "avx2", (0, 0)),
-                              (True, "avx512", (0, 0)), (False, "avx512_bf16", (0, 0))):
+    onednn = cpu_linear.ONEDNN_BF16_PACKED_ROWS
+    for builds, isa, has_bf16, rows in ((True, "avx2", False, (4, 128)),
+                                        (False, "avx2", False, (0, 0)),
+                                        (True, "avx512", True, (0, 0)),
+                                        (False, "avx512", False, (0, 0)),
+                                        (False, "avx512_bf16", True, onednn)):
         monkeypatch.setattr(op, "bf16_panels", lambda builds=builds: builds)
         monkeypatch.setattr(op, "isa", lambda isa=isa: isa)
-        assert cpu_linear.bf16_panel_rows() == rows, (builds, isa)
+        monkeypatch.setattr(cpu_linear, "_onednn_has_bf16", lambda has=has_bf16: has)
+        assert cpu_linear.bf16_packed_rows() == rows, (builds, isa, has_bf16)
     monkeypatch.undo()
-    lo, hi = cpu_linear.bf16_panel_rows()
+    lo, hi = cpu_linear.bf16_packed_rows()
     w = torch.nn.Parameter(torch.randn(24, 8, dtype=torch.bfloat16), requires_grad=False)
+    b = torch.randn(24, dtype=torch.bfloat16)
     from vllm.model_executor.layers.cpu_prepacked_linear import prepack
 
     assert prepack(w) == (lo > 0)
-    routes = {rows: cpu_linear.linear_route(torch.randn(rows, 8, dtype=torch.bfloat16), w)
-              for rows in range(1, 140)}
+    routes = {}
+    for rows in range(1, 140):
+        x = torch.randn(rows, 8, dtype=torch.bfloat16)
+        routes[rows] = cpu_linear.linear_route(x, w, b)
+        torch.testing.assert_close(op.linear(x, w, b).float(), F.linear(x, w, b).float(),
+                                   atol=3e-2, rtol=2e-2)
     assert {r for r, route in routes.items() if route == "packed"} == (
-        set(range(lo, hi + 1)) if lo else set())
+        set(range(lo, min(hi, 139) + 1)) if lo else set())
 
 
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),

@@ -202,9 +202,10 @@ def test_compiled_linears_stay_opaque_in_float32_and_bfloat16(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_o2_prepacks_the_weights_the_build_can_pack(dtype):
-    """At -O2 a linear layer's weight gets a panel copy after loading: float32 always, bfloat16
-    where the build packs bfloat16 panels (AVX2); the product then takes the copy for the rows
-    the policy gives it, with F.linear's result."""
+    """At -O2 a linear layer's weight gets a packed copy after loading: float32 always, bfloat16
+    where the build packs bfloat16 panels (AVX2) or oneDNN has bfloat16 kernels (its reorder);
+    the product then takes the copy for the rows the policy gives it, with F.linear's
+    result."""
     from vllm.model_executor.layers import cpu_linear
     from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
     from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -217,8 +218,8 @@ def test_o2_prepacks_the_weights_the_build_can_pack(dtype):
     layer.quant_method.process_weights_after_loading(layer)
     wait_for_prepacking()
     lo, hi = (cpu_linear.panel_rows() if dtype == torch.float32
-              else cpu_linear.bf16_panel_rows())
-    packs = dtype == torch.float32 or torch.ops.vllm_cpu_linear.bf16_panels()
+              else cpu_linear.bf16_packed_rows())
+    packs = dtype == torch.float32 or cpu_linear.bf16_packed_rows() != (0, 0)
     assert (lo > 0) == packs
     rows = lo if packs else 16
     x = torch.randn(rows, 64, dtype=dtype)

@@ -43,7 +43,7 @@ def check_linear() -> int:
 def check_panels() -> int:
     """The panel kernel at this level (float32; bfloat16 where the build packs it: AVX2) against
     a float64 product, and the dispatcher's route with a prepacked weight: the panel copy for
-    the rows `panel_rows` / `bf16_panel_rows` give, F.linear's result on every route."""
+    the rows `panel_rows` / `bf16_packed_rows` give, F.linear's result on every route."""
     from vllm.model_executor.layers import cpu_linear
     from vllm.model_executor.layers.cpu_prepacked_linear import prepack
 
@@ -52,7 +52,8 @@ def check_panels() -> int:
     dtypes = [torch.float32] + ([torch.bfloat16] if op.bf16_panels() else [])
     cases = 0
     for dtype in dtypes:
-        lo, hi = cpu_linear.panel_rows() if dtype == torch.float32 else cpu_linear.bf16_panel_rows()
+        lo, hi = (cpu_linear.panel_rows() if dtype == torch.float32
+                  else cpu_linear.bf16_packed_rows())
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         for n, k in [(5, 7), (37, 61), (67, 515)]:
             w = torch.nn.Parameter(torch.randn(n, k, generator=gen).to(dtype),

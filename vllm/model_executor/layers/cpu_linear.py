@@ -20,7 +20,9 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   multiplies as outer products into tiles of rows x panels, 1.4-1.5x oneDNN's prepacked
   products at 12-16 rows (`panel_rows`, PANEL_MIN_ROWS, AVX2_PANEL_MIN_ROWS). On AVX2 a
   bfloat16 weight gets a bfloat16 panel copy, widened in registers: 4..128 rows 1.1-1.6x the
-  small-M kernel and the widened route (`bf16_panel_rows`).
+  small-M kernel and the widened route (`bf16_packed_rows`). Where oneDNN has bfloat16 kernels
+  (AVX512-BF16, AMX) a bfloat16 weight gets oneDNN's own reorder instead, which from 5 rows
+  on beats the small-M kernel's dot products (1.4-1.8x at 5-32 rows on a Zen 4).
 
 oneDNN builds and caches a primitive for every distinct row count (~0.55 MB each with the
 weight shape, in two caches of 1024 entries), so a server whose per-step token counts keep
@@ -126,6 +128,15 @@ ATEN_MIN_ROWS_BY_VENDOR = {"GenuineIntel": 129}
 # 0.66x, 2 0.77x, 3 0.90x, 4 1.10x, 6 1.33x, 8 1.14x, 12 1.26x, 16 1.29x, 24 1.32x, 32 1.42x,
 # 48 1.47x, 64 1.59x, 96 1.35x, 128 1.18x, 256 1.02x, 512 1.03x.
 BF16_PANEL_ROWS = {"avx2": (4, 128)}
+# bfloat16 weights where oneDNN has bfloat16 kernels (AVX512-BF16, AMX) and the build packs no
+# bfloat16 panels: -O2/-O3 keep oneDNN's reorder of each weight (`mkldnn._reorder_linear_weight`,
+# its blocked layout) and products of these rows take it, rows padded as `onednn_rows`. AMD EPYC
+# (Zen 4, AVX-512 + AVX512-BF16, KVM, 2 threads), cold weights, against the plain weight's route
+# (small-M with AVX512-BF16 dot products to 16 rows, then torch's bfloat16 GEMM), [4864, 896] /
+# [32000, 512]: 1 row 0.68x / 0.99x, 2 0.75x / 1.21x, 4 0.93x / 1.72x, 5 1.38x / 1.82x, 8
+# 1.37x / 1.46x, 32 1.35x / 1.81x, 128 1.11x / 1.28x, 512 1.08x / 1.17x, 2048 1.05x / 1.07x (the
+# 0.5B shape's [151936, 896] LM head at 16 rows 1.73x). Not measured on Intel's AMX.
+ONEDNN_BF16_PACKED_ROWS = (5, 1 << 40)
 # Fewest rows for the widened bfloat16 route: below it the small-M kernel is faster (AVX2 dev
 # machine, 2 threads: small-M wins at 16-32 rows, the widened route at 64 and more, 1.1-2x
 # at 256; both ~1.5-5x aten's bfloat16 GEMM from 8 rows on).
@@ -159,7 +170,7 @@ def small_m_linear_available() -> bool:
         torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
                                             onednn_linear_enabled(), bf16_widened(),
                                             *panel_rows(), aten_min_rows(),
-                                            *bf16_panel_rows())
+                                            *bf16_packed_rows())
         torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
         torch.ops.vllm_cpu_linear.panel_prefetch_lines(panel_lines)
         torch.ops.vllm_cpu_linear.streams(streams)
@@ -294,13 +305,16 @@ def panel_rows() -> tuple[int, int]:
     return _max_rows(torch.float32) + 1, PANEL_MAX_ROWS
 
 
-def bf16_panel_rows() -> tuple[int, int]:
-    """(fewest, most) rows of the bfloat16 products that take the panel kernel when the weight
-    has a bfloat16 panel copy (BF16_PANEL_ROWS of this build's ISA level); (0, 0) where the
-    build packs no bfloat16 (the weights are then not prepacked)."""
-    if not torch.ops.vllm_cpu_linear.bf16_panels():
-        return 0, 0
-    return BF16_PANEL_ROWS.get(torch.ops.vllm_cpu_linear.isa(), (0, 0))
+def bf16_packed_rows() -> tuple[int, int]:
+    """(fewest, most) rows of the bfloat16 products that take the weight's packed copy when it
+    has one (-O2/-O3): bfloat16 panels where the build packs them (BF16_PANEL_ROWS of its ISA
+    level), else oneDNN's reorder where oneDNN has bfloat16 kernels (ONEDNN_BF16_PACKED_ROWS);
+    (0, 0) elsewhere (the weights are then not prepacked)."""
+    if torch.ops.vllm_cpu_linear.bf16_panels():
+        return BF16_PANEL_ROWS.get(torch.ops.vllm_cpu_linear.isa(), (0, 0))
+    if onednn_linear_enabled() and _onednn_has_bf16():
+        return ONEDNN_BF16_PACKED_ROWS
+    return 0, 0
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -32,8 +32,10 @@ cached like any other:
 `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) prepacks the decoder's linears
 and the LM head (ParallelLMHead, applied eagerly through `dispatch_linear`): float32 weights,
 and bfloat16 ones where the build packs bfloat16 panels (AVX2, where bfloat16 has no fast
-GEMM: products of `cpu_linear.bf16_panel_rows()` rows). Without the C++ build there is no
-prepacking, and compiled models call the Python op below instead.
+GEMM) or where oneDNN has bfloat16 kernels (AVX512-BF16, AMX: the copy is oneDNN's reorder of
+the weight, `mkldnn._reorder_linear_weight`), for products of `cpu_linear.bf16_packed_rows()`
+rows. Without the C++ build there is no prepacking, and compiled models call the Python op
+below instead.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import torch
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.cpu_linear import (
-    bf16_panel_rows,
+    bf16_packed_rows,
     dispatch_linear,
     small_m_linear_available,
 )
@@ -55,13 +57,13 @@ from vllm.model_executor.layers.cpu_linear import (
 logger = init_logger(__name__)
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    """A dense 2-D CPU weight in float32, or in bfloat16 where the build packs bfloat16 panels
-    (AVX2: `cpu_linear.bf16_panel_rows()`), with the C++ kernels built."""
+    """A dense 2-D CPU weight in float32, or in bfloat16 where bfloat16 weights get a packed
+    copy (`cpu_linear.bf16_packed_rows()`), with the C++ kernels built."""
     if not (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
             and weight.dtype in (torch.float32, torch.bfloat16)
             and small_m_linear_available()):
         return False
-    return weight.dtype == torch.float32 or bf16_panel_rows() != (0, 0)
+    return weight.dtype == torch.float32 or bf16_packed_rows() != (0, 0)
 
 
 def _drop(key: int) -> None:
@@ -72,13 +74,18 @@ def _drop(key: int) -> None:
 
 
 def prepack(weight: torch.Tensor) -> bool:
-    """Pack `weight` [out, in] into column panels and register the copy with the dispatcher;
-    False when the weight is not eligible (`can_prepack`)."""
+    """Pack `weight` [out, in] into column panels (a bfloat16 weight where the build packs no
+    bfloat16 panels: oneDNN's reorder of it) and register the copy with the dispatcher; False
+    when the weight is not eligible (`can_prepack`)."""
     if not can_prepack(weight):
         return False
     version = weight._version
     with torch.no_grad():
-        packed = torch.ops.vllm_cpu_linear.pack_panels(weight.detach())
+        if weight.dtype == torch.bfloat16 and not torch.ops.vllm_cpu_linear.bf16_panels():
+            # (the layout oneDNN picks for 16-row products; any row count can use it)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+        else:
+            packed = torch.ops.vllm_cpu_linear.pack_panels(weight.detach())
     if weight._version != version:  # changed in place while it was packed
         return False
     key = torch.ops.vllm_cpu_linear.set_packed(weight, packed)

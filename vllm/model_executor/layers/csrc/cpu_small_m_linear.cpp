@@ -564,7 +564,8 @@ struct Policy {
   // panel copy (set_packed): the panel kernel, whatever the other fields say
   int64_t panel_min_rows = 5;
   int64_t panel_max_rows = 64;
-  // the same for bfloat16 products (bfloat16 panels: AVX2 builds); 0..0: none
+  // the same for bfloat16 products with a current packed copy: bfloat16 panels (AVX2 builds)
+  // or oneDNN's reorder of the weight (where oneDNN has bfloat16 kernels); 0..0: none
   int64_t bf16_panel_min_rows = 0;
   int64_t bf16_panel_max_rows = 0;
 };
@@ -764,6 +765,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
     case Route::kSmallM:
       return small_m_linear(as_rows(x), weight, bias).view(out_sizes(x, weight));
     case Route::kPacked:
+      if (packed.is_mkldnn())  // oneDNN's reorder (bfloat16); rows padded as onednn_linear's
+        return onednn_linear(as_rows(x), packed, bias).view(out_sizes(x, weight));
       return panel_linear(as_rows(x), packed, weight.size(0), bias).view(out_sizes(x, weight));
     case Route::kOneDnn:
       if (x.dim() == 2 && x.stride(1) == 1) return onednn_linear(x, weight, bias);
@@ -803,16 +806,20 @@ void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
                     bf16_panel_max_rows};
 }
 
-// Keep `packed` (the weight's panels, pack_panels) for products with `weight` while the weight
-// keeps its storage, shape and version (an in-place change makes the copy stale: not used).
+// Keep `packed` (the weight's panels, pack_panels; or for a bfloat16 weight oneDNN's reorder
+// of it, mkldnn._reorder_linear_weight) for products with `weight` while the weight keeps its
+// storage, shape and version (an in-place change makes the copy stale: not used).
 int64_t set_packed(const at::Tensor& weight, const at::Tensor& packed) {
-  TORCH_CHECK(weight.dim() == 2 && packed.dim() == 3 &&
+  const bool reorder = packed.is_mkldnn();
+  TORCH_CHECK(weight.dim() == 2 && packed.dim() == (reorder ? 2 : 3) &&
                   packed.scalar_type() == weight.scalar_type() &&
-                  packed.is_contiguous() &&
-                  packed.size(0) == (weight.size(0) + kPanel - 1) / kPanel &&
-                  packed.size(1) == weight.size(1) && packed.size(2) == kPanel,
-              "set_packed: the weight's panels (pack_panels) expected, got a tensor of shape ",
-              packed.sizes());
+                  (reorder ? weight.scalar_type() == at::kBFloat16 &&
+                                 packed.sizes().equals(weight.sizes())
+                           : packed.is_contiguous() &&
+                                 packed.size(0) == (weight.size(0) + kPanel - 1) / kPanel &&
+                                 packed.size(1) == weight.size(1) && packed.size(2) == kPanel),
+              "set_packed: the weight's panels (pack_panels) or, for a bfloat16 weight, "
+              "oneDNN's reorder of it expected, got a tensor of shape ", packed.sizes());
   std::lock_guard<std::mutex> guard(g_packed_mutex);
   g_packed[weight.data_ptr()] = Packed{weight._version(), weight.sizes().vec(), packed};
   return reinterpret_cast<int64_t>(weight.data_ptr());
