@@ -134,7 +134,7 @@ def test_report_has_ratios_bandwidth_share_and_failures():
 
     def run(b1: float, b16: float, rss: float = 1000.0) -> dict:
         return {"b1": {"decode_tok_s": b1, "tokens": [1, 2, 3]}, "b16": {"total_tok_s": b16},
-                "peak_rss_mb": rss}
+                "peak_rss_mb": rss, "anon_rss_mb": rss / 2}
 
     runs = {("llama-50m", "float32", "hf"): [run(10, 50)] * 3,
             ("llama-50m", "float32", "llamacpp"): [run(80, 200, 400), run(100, 300, 420),
@@ -159,11 +159,13 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     assert "ISA AVX2 + FMA" in text and "read bandwidth 30.0 GB/s" in text
     assert "| 0.50x |" in text and "| 2.00x |" in text
     assert "9.00 (30%)" in text and text.count("ours -O2: exit 1: boom") == 1
-    # peak RSS: the median over the rounds that ran (the failed one has none)
+    # peak and end-of-run RSS: the median over the rounds that ran (the failed one has none)
     assert b1["engines"]["llamacpp"]["peak_rss_mb"] == 410
+    assert b1["engines"]["llamacpp"]["anon_rss_mb"] == 205
     assert b16["engines"]["O2"]["peak_rss_mb"] == 1000
-    assert "Peak resident memory" in text
-    assert "| 50M Llama (hidden 512, 8 layers, vocab 32000) | float32 | 1000 | 410 | 1000 |" in text
+    assert "Resident memory" in text
+    assert ("| 50M Llama (hidden 512, 8 layers, vocab 32000) | float32 | 1000 / 500 | 410 / 205 "
+            "| 1000 / 500 |") in text
     # greedy check: the leading tokens equal to transformers' [1, 2, 3], per engine
     check = summary["greedy_check"][0]
     assert check["leading_match"] == {"hf": 3, "llamacpp": 3, "O0": 3, "O2": 3, "O3": 3,
