@@ -1,4 +1,4 @@
-"""A benchmark worker's own peak resident memory."""
+"""A benchmark worker's own resident memory: its peak, and what it holds not file-backed."""
 from __future__ import annotations
 
 import resource

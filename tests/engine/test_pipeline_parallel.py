@@ -81,7 +81,6 @@ def test_parallel_config_backends(monkeypatch):
                             else real_find_spec(name, *a))
         assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2
                               ).distributed_executor_backend == backend
-    monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)
     assert ParallelConfig().distributed_executor_backend == "uni"
 
 

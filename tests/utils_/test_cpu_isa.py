@@ -117,7 +117,7 @@ def test_each_level_builds_into_its_own_directory(tmp_path, monkeypatch):
     assert dirs[0].startswith(os.path.join("cpu_kernels_k", "avx2-"))
     assert dirs[1].startswith(os.path.join("cpu_kernels_k", "avx512-"))
     assert "_avx2_" in builds[0][0] and "_avx512_" in builds[1][0]
-    # the third call loads the avx2 library, moved out of its build folder
+    # the third call loads the avx2 library, copied out of its build folder
     assert len(loaded) == 1
     assert loaded[0] == os.path.join(os.path.dirname(builds[0][2]), f"{builds[0][0]}.so")
 

@@ -48,7 +48,7 @@ def test_each_build_runs_in_its_own_folder_and_is_copied_into_place(builds):
     directory = os.path.dirname(folder)
     library = [f for f in os.listdir(directory) if f.endswith(".so")]
     assert len(library) == 1 and os.path.basename(folder).startswith("build-")
-    assert not os.path.exists(folder)  # the build folder is gone, its library moved
+    assert not os.path.exists(folder)  # the build folder is gone, its library copied
     # A later start loads the library in place and builds nothing.
     assert build()
     assert len(folders) == 1 and loaded[-1] == os.path.join(directory, library[0])

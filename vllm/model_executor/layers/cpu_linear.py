@@ -163,18 +163,16 @@ def small_m_linear_available() -> bool:
     if not load_cpu_extension("small_m_linear", _SOURCE, "VLLM_CPU_SMALL_M_LINEAR",
                               source_text=_source_text()):
         return False
-    if not _configured:
-        # a bad VLLM_CPU_LINEAR_STREAMS, VLLM_CPU_LINEAR_PREFETCH_BYTES,
-        # VLLM_CPU_PANEL_PREFETCH_LINES or VLLM_CPU_ATEN_LINEAR_MIN_ROWS stops here
-        streams, distance, panel_lines = weight_streams(), prefetch_bytes(), panel_prefetch_lines()
-        torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
-                                            onednn_linear_enabled(), bf16_widened(),
-                                            *panel_rows(), aten_min_rows(),
-                                            *bf16_packed_rows())
-        torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
-        torch.ops.vllm_cpu_linear.panel_prefetch_lines(panel_lines)
-        torch.ops.vllm_cpu_linear.streams(streams)
-        _configured = True
+    # a bad VLLM_CPU_LINEAR_STREAMS, VLLM_CPU_LINEAR_PREFETCH_BYTES,
+    # VLLM_CPU_PANEL_PREFETCH_LINES or VLLM_CPU_ATEN_LINEAR_MIN_ROWS stops here
+    streams, distance, panel_lines = weight_streams(), prefetch_bytes(), panel_prefetch_lines()
+    torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
+                                        onednn_linear_enabled(), bf16_widened(),
+                                        *panel_rows(), aten_min_rows(), *bf16_packed_rows())
+    torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
+    torch.ops.vllm_cpu_linear.panel_prefetch_lines(panel_lines)
+    torch.ops.vllm_cpu_linear.streams(streams)
+    _configured = True
     return True
 
 
