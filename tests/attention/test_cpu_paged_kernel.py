@@ -50,7 +50,8 @@ def make_batch(requests, heads, kv_heads, head_size, block_size, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_size,block_size",
-                         [(4, 4, 16, 4), (14, 2, 64, 16), (8, 1, 32, 8)])
+                         [(4, 4, 16, 4), (14, 2, 64, 16), (8, 1, 32, 8), (4, 2, 128, 16),
+                          (6, 3, 80, 16)])
 def test_kernel_matches_reference(dtype, heads, kv_heads, head_size, block_size):
     # decode rows, a fresh prompt, chunks with context (one longer than the kernel's
     # 16-row chunk), a 1-token prompt, a block-aligned sequence
@@ -64,6 +65,28 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, head_size, block_size)
     paged_attention(query, cache, table, seq_lens, starts, reqs, scale, out)
     paged_attention_reference(query, cache, table, seq_lens, starts, reqs, scale, ref)
     assert not out.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(8, 8, 64), (14, 2, 64), (4, 2, 128)])
+def test_kernel_decode_rows_long_contexts(dtype, heads, kv_heads, head_size):
+    """Decode rows (the two-pass path: few query rows per KV head) over contexts that span
+    many blocks, one not block-aligned, next to a short one, on two threads."""
+    requests = [(1000, 1), (37, 1), (513, 1), (0, 1), (300, 2)]
+    query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
+                                                       16, dtype, seed=3)
+    reqs = torch.arange(len(requests))
+    out = torch.full(query.shape, 7.0, dtype=dtype)
+    ref = torch.zeros(query.shape, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(threads, 2))
+        paged_attention(query, cache, table, seq_lens, starts, reqs, 0.125, out)
+    finally:
+        torch.set_num_threads(threads)
+    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
