@@ -42,6 +42,9 @@ _GETTERS = {
     # other processes are busy on its CPUs (on by default; never over a user's thread count).
     "VLLM_CPU_OMP_THREADS_BIND": lambda: os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "auto",
     "VLLM_CPU_ADAPTIVE_THREADS": lambda: _flag("VLLM_CPU_ADAPTIVE_THREADS", "1"),
+    # Weights, packed copies and KV cache of 2 MiB or more in transparent huge pages
+    # (vllm/utils/hugepages.py; on by default where the kernel offers them).
+    "VLLM_CPU_HUGE_PAGES": lambda: _flag("VLLM_CPU_HUGE_PAGES", "1"),
     # OpenMP wait policy set on `import vllm` before torch's (vllm/utils/omp_env.py).
     "VLLM_CPU_OMP_WAIT_POLICY": lambda: os.environ.get("VLLM_CPU_OMP_WAIT_POLICY") or "auto",
     # Attention backend by name (default: the platform's choice).

@@ -225,6 +225,22 @@ def test_kv_cache_dtype_stores_bfloat16(llm, llama_path):
         LLM(model=llama_path, optimization_level=0, kv_cache_dtype="fp8")
 
 
+def test_kv_cache_is_mapped_for_huge_pages(llm):
+    """Each layer's CPU KV cache of 2 MiB or more sits in a mapping of its own, advised for
+    transparent huge pages, where this kernel offers them (vllm/utils/hugepages.py);
+    elsewhere in torch's memory."""
+    from vllm.utils.hugepages import HUGE_PAGE_BYTES, huge_pages_enabled
+
+    caches = llm.llm_engine.executor.worker.model_runner.kv_caches
+    big = [c for c in caches.values() if c.numel() * c.element_size() >= HUGE_PAGE_BYTES]
+    if not big:
+        pytest.skip("the test engine's caches are smaller than a huge page")
+    for cache in big:
+        own = (cache.data_ptr() % HUGE_PAGE_BYTES == 0 and cache.untyped_storage().nbytes()
+               == cache.numel() * cache.element_size() + HUGE_PAGE_BYTES)
+        assert own == huge_pages_enabled()
+
+
 def test_logit_bias_and_allowed_token_ids(llm, hf_greedy):
     """logit_bias steers greedy decoding (+100 on one token: only that token), as does
     allowed_token_ids; a request in the same batch without them keeps transformers' tokens;

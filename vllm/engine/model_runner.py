@@ -142,11 +142,17 @@ class ModelRunner:
         attention layer and bind it (zeroed: padding lanes read block 0 behind a mask, and
         0 * garbage could be NaN)."""
         from vllm.attention.layer import bind_kv_cache
+        from vllm.utils.hugepages import cpu_zeros
 
-        caches = {
-            name: torch.zeros(layer.get_kv_cache_shape(num_blocks, self.block_size),
-                              dtype=dtype, device=self.device)
-            for name, layer in self.attention_layers.items()}
+        def zeros(shape: tuple[int, ...]) -> torch.Tensor:
+            if torch.device(self.device).type == "cpu":  # in huge pages where large
+                # zero_(): its memory is taken now, as torch.zeros does, not on first use
+                # mid-run (a mapping's zero pages are not resident until written)
+                return cpu_zeros(shape, dtype).zero_()
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        caches = {name: zeros(layer.get_kv_cache_shape(num_blocks, self.block_size))
+                  for name, layer in self.attention_layers.items()}
         bind_kv_cache(self.model, caches)
         self.kv_caches = caches
         return caches

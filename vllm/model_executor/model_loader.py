@@ -4,7 +4,8 @@
  1. picks the class from `hf_config.architectures` (ModelRegistry);
  2. builds it on the meta device under `set_current_vllm_config` with the model dtype as
     torch's default dtype (no memory is touched, custom ops pick their forward);
- 3. materialises every parameter on the platform device (ties and weight loaders kept);
+ 3. materialises every parameter on the platform device (ties and weight loaders kept; on
+    the CPU large ones in transparent huge pages);
  4. loads `*.safetensors` (one file, or shards listed in model.safetensors.index.json) or,
     only for a folder without any safetensors, PyTorch `*.bin` files (pytorch_model.bin or the
     shards of pytorch_model.bin.index.json; torch.load with weights_only=True, memory-mapped)
@@ -120,7 +121,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
                 continue
             new = replaced.get(id(param))
             if new is None:
-                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+                new = nn.Parameter(_empty_param(param, device), requires_grad=False)
                 new.__dict__.update(param.__dict__)
                 replaced[id(param)] = new
             module._parameters[name] = new
@@ -131,6 +132,16 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
                 raise RuntimeError(f"buffer {name!r} of {type(module).__name__} was built on the "
                                    "meta device; build buffers on the CPU explicitly")
             module._buffers[name] = buf.to(device)
+
+
+def _empty_param(param: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Storage for `param` on `device`, not initialised: on the CPU a large one in
+    transparent huge pages (vllm/utils/hugepages.py: decode streams every weight each step)."""
+    if torch.device(device).type == "cpu":
+        from vllm.utils.hugepages import cpu_zeros
+
+        return cpu_zeros(param.shape, param.dtype)
+    return torch.empty_like(param, device=device)
 
 
 def _model_weight_files(model_config: Any) -> list[str]:

@@ -53,6 +53,7 @@ from vllm.model_executor.layers.cpu_linear import (
     dispatch_linear,
     small_m_linear_available,
 )
+from vllm.utils.hugepages import to_huge_pages
 
 logger = init_logger(__name__)
 
@@ -85,7 +86,8 @@ def prepack(weight: torch.Tensor) -> bool:
             # (the layout oneDNN picks for 16-row products; any row count can use it)
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
         else:
-            packed = torch.ops.vllm_cpu_linear.pack_panels(weight.detach())
+            # (read each step as the weight is: in huge pages, vllm/utils/hugepages.py)
+            packed = to_huge_pages(torch.ops.vllm_cpu_linear.pack_panels(weight.detach()))
     if weight._version != version:  # changed in place while it was packed
         return False
     key = torch.ops.vllm_cpu_linear.set_packed(weight, packed)
