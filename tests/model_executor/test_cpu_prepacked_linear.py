@@ -215,6 +215,73 @@ def test_pack_panels_layout():
     torch.testing.assert_close(panels, padded.view(3, 16, 5).transpose(1, 2), rtol=0, atol=0)
 
 
+def test_pack_panels_out_fills_a_given_tensor():
+    """pack_panels_out writes pack_panels' layout into the tensor given (prepack's, mapped for
+    huge pages) and refuses one of another shape or dtype."""
+    op = torch.ops.vllm_cpu_linear
+    w = torch.randn(37, 5)
+    out = torch.full(cpl.panel_shape(w), 9.0)
+    op.pack_panels_out(w, out)
+    torch.testing.assert_close(out, op.pack_panels(w), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="pack_panels_out: out must be"):
+        op.pack_panels_out(w, torch.empty(2, 5, 16))
+    with pytest.raises(RuntimeError, match="pack_panels_out: out must be"):
+        op.pack_panels_out(w, torch.empty(cpl.panel_shape(w), dtype=torch.float64))
+
+
+def test_prepacked_panels_live_in_a_huge_page_mapping(monkeypatch):
+    """prepack's float32 panel copy of a large weight is mapped for huge pages (where the
+    kernel offers them: vllm/utils/hugepages.py) and gives the plain product."""
+    from vllm.utils import hugepages
+
+    monkeypatch.setattr(hugepages, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.delenv("VLLM_CPU_HUGE_PAGES", raising=False)
+    op = torch.ops.vllm_cpu_linear
+    w = torch.randn(1024, 768)  # 3 MiB of panels
+    assert op.packed_of(w) is None
+    assert cpl.prepack(w)
+    packed = op.packed_of(w)
+    assert packed.shape == cpl.panel_shape(w)
+    assert packed.data_ptr() % hugepages.HUGE_PAGE_BYTES == 0
+    assert packed.untyped_storage().nbytes() == packed.numel() * 4 + hugepages.HUGE_PAGE_BYTES
+    x = torch.randn(16, 768)
+    assert op.linear_route(x, w) == "packed"
+    torch.testing.assert_close(op.linear(x, w), x @ w.t(), rtol=1e-4, atol=1e-4)
+    del w, packed
+    gc.collect()
+
+
+def test_collapse_huge_pages_takes_any_cpu_tensor():
+    """The collapse the oneDNN reorder gets: False for a tensor holding no whole huge page,
+    a bool for a large one (whether the kernel collapsed it is the machine's), the values
+    untouched."""
+    op = torch.ops.vllm_cpu_linear
+    assert op.collapse_huge_pages(torch.ones(16)) is False
+    big = torch.arange(3 << 20, dtype=torch.float32)
+    assert op.collapse_huge_pages(big) in (True, False)
+    assert torch.equal(big, torch.arange(3 << 20, dtype=torch.float32))
+
+
+def test_large_bfloat16_reorder_collapsed_keeps_its_product(monkeypatch):
+    """A bfloat16 weight whose packed copy is oneDNN's reorder (where oneDNN has bfloat16
+    kernels), large enough to hold whole huge pages: set_packed collapses them, and the product
+    through the copy stays the plain one."""
+    from vllm.utils import hugepages
+
+    op = torch.ops.vllm_cpu_linear
+    if op.bf16_panels() or not cpl.can_prepack(torch.ones(4, 4, dtype=torch.bfloat16)):
+        pytest.skip("no oneDNN bfloat16 reorder copies in this build")
+    monkeypatch.setattr(hugepages, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.delenv("VLLM_CPU_HUGE_PAGES", raising=False)
+    w = torch.randn(2048, 1024).to(torch.bfloat16)  # 4 MiB
+    assert cpl.prepack(w)
+    assert op.packed_of(w).is_mkldnn
+    x = torch.randn(16, 1024).to(torch.bfloat16)
+    assert op.linear_route(x, w) == "packed"
+    torch.testing.assert_close(op.linear(x, w).float(), (x.float() @ w.float().t()),
+                               rtol=2e-2, atol=2e-1)
+
+
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_panel_kernel_computes_the_product(n_threads):
     """Every row count through the tiles and their leftovers (1..30, chunks of 64 and more),

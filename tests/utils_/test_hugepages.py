@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from vllm.utils import hugepages
-from vllm.utils.hugepages import HUGE_PAGE_BYTES, cpu_zeros, to_huge_pages
+from vllm.utils.hugepages import HUGE_PAGE_BYTES, cpu_zeros
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="transparent huge pages are a Linux feature")
@@ -103,16 +103,6 @@ def test_thp_mode_is_read_from_the_bracketed_word(tmp_path, monkeypatch):
     assert read() == "always"
     monkeypatch.setattr(hugepages, "THP_ENABLED", str(tmp_path / "missing"))
     assert read() == ""
-
-
-@linux_only
-def test_to_huge_pages_copies_large_tensors_only(thp_mode):
-    thp_mode("madvise")
-    src = torch.randn(HUGE_PAGE_BYTES // 4 + 3)
-    moved = to_huge_pages(src)
-    assert moved is not src and in_own_mapping(moved) and torch.equal(moved, src)
-    small = torch.randn(10)
-    assert to_huge_pages(small) is small
 
 
 @linux_only

@@ -70,15 +70,3 @@ def cpu_zeros(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtyp
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[offset:offset + nbytes].view(dtype).view(shape)
-
-
-def to_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s values in a `cpu_zeros` tensor where that maps it itself (a copy); else
-    `tensor`."""
-    if (tensor.device.type != "cpu" or tensor.layout != torch.strided
-            or tensor.numel() * tensor.element_size() < HUGE_PAGE_BYTES
-            or not huge_pages_enabled()):
-        return tensor
-    out = cpu_zeros(tensor.shape, tensor.dtype)
-    out.copy_(tensor)
-    return out

@@ -53,7 +53,7 @@ from vllm.model_executor.layers.cpu_linear import (
     dispatch_linear,
     small_m_linear_available,
 )
-from vllm.utils.hugepages import to_huge_pages
+from vllm.utils.hugepages import cpu_zeros, huge_pages_enabled
 
 logger = init_logger(__name__)
 
@@ -74,6 +74,15 @@ def _drop(key: int) -> None:
         pass
 
 
+PANEL_COLUMNS = 16  # output columns per panel (csrc/cpu_panel_linear.h, kPanel)
+
+
+def panel_shape(weight: torch.Tensor) -> tuple[int, int, int]:
+    """The shape of `weight`'s [N, K] panels: [ceil(N / 16), K, 16]."""
+    n, k = weight.shape
+    return (-(-n // PANEL_COLUMNS), k, PANEL_COLUMNS)
+
+
 def prepack(weight: torch.Tensor) -> bool:
     """Pack `weight` [out, in] into column panels (a bfloat16 weight where the build packs no
     bfloat16 panels: oneDNN's reorder of it) and register the copy with the dispatcher; False
@@ -87,10 +96,11 @@ def prepack(weight: torch.Tensor) -> bool:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
         else:
             # (read each step as the weight is: in huge pages, vllm/utils/hugepages.py)
-            packed = to_huge_pages(torch.ops.vllm_cpu_linear.pack_panels(weight.detach()))
+            packed = cpu_zeros(panel_shape(weight), weight.dtype)
+            torch.ops.vllm_cpu_linear.pack_panels_out(weight.detach(), packed)
     if weight._version != version:  # changed in place while it was packed
         return False
-    key = torch.ops.vllm_cpu_linear.set_packed(weight, packed)
+    key = torch.ops.vllm_cpu_linear.set_packed(weight, packed, huge_pages_enabled())
     # The entry lives as long as the parameter: its storage (the key) cannot be reused before.
     weakref.finalize(weight, _drop, key)
     return True

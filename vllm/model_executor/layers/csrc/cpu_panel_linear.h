@@ -109,19 +109,34 @@ void pack_panels_into(const T* w, T* out, int64_t N, int64_t K) {
   });
 }
 
-at::Tensor pack_panels(const at::Tensor& weight) {
+std::vector<int64_t> check_panel_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
                   (weight.scalar_type() == at::kFloat ||
                    (weight.scalar_type() == at::kBFloat16 && kBf16Panels)),
               "pack_panels: a dense [N, K] weight of float32",
               kBf16Panels ? " or bfloat16" : " (this build packs no bfloat16)",
               " expected, got ", weight.scalar_type(), " of shape ", weight.sizes());
+  return {(weight.size(0) + kPanel - 1) / kPanel, weight.size(1), kPanel};
+}
+
+// Packs `weight` into `packed` (the panels' shape, the weight's dtype, dense).
+void pack_panels_out(const at::Tensor& weight, at::Tensor packed) {
+  const std::vector<int64_t> shape = check_panel_weight(weight);
+  TORCH_CHECK(packed.sizes().equals(shape) && packed.scalar_type() == weight.scalar_type() &&
+                  packed.is_contiguous() && packed.device().is_cpu(),
+              "pack_panels_out: out must be a dense CPU tensor of shape ",
+              at::IntArrayRef(shape), " and the weight's dtype, got ", packed.scalar_type(),
+              " of shape ", packed.sizes());
   const int64_t N = weight.size(0), K = weight.size(1);
-  at::Tensor packed = at::empty({(N + kPanel - 1) / kPanel, K, kPanel}, weight.options());
   if (weight.scalar_type() == at::kFloat)
     pack_panels_into(weight.data_ptr<float>(), packed.data_ptr<float>(), N, K);
   else
     pack_panels_into(weight.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(), N, K);
+}
+
+at::Tensor pack_panels(const at::Tensor& weight) {
+  at::Tensor packed = at::empty(check_panel_weight(weight), weight.options());
+  pack_panels_out(weight, packed);
   return packed;
 }
 

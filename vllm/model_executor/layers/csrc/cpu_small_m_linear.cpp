@@ -67,6 +67,16 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+// Where oneDNN keeps a reordered weight (exported by libtorch_cpu; their header,
+// ATen/native/mkldnn/MKLDNNCommon.h, is not installed).
+namespace at::native {
+TORCH_API void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
+TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor);
+}  // namespace at::native
 
 namespace {
 
@@ -806,10 +816,30 @@ void configure(int64_t f32_small_rows, int64_t bf16_small_rows, bool onednn,
                     bf16_panel_max_rows};
 }
 
+// The whole 2 MiB pages of [p, p + n) advised for transparent huge pages and collapsed into
+// them now (MADV_COLLAPSE, Linux 6.1+; before that khugepaged may, later). For memory whose
+// allocation we do not control (oneDNN's reorder of a weight); vllm/utils/hugepages.py says
+// why and maps our own tensors for huge pages from the start. Whether the kernel collapsed.
+bool collapse_huge_pages(void* p, int64_t n) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE (older headers lack the name)
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(n)) & ~(kHuge - 1);
+  if (n <= 0 || hi <= lo) return false;
+  void* start = reinterpret_cast<void*>(lo);
+  madvise(start, hi - lo, MADV_HUGEPAGE);
+  return madvise(start, hi - lo, kMadvCollapse) == 0;
+#else
+  return false;
+#endif
+}
+
 // Keep `packed` (the weight's panels, pack_panels; or for a bfloat16 weight oneDNN's reorder
 // of it, mkldnn._reorder_linear_weight) for products with `weight` while the weight keeps its
-// storage, shape and version (an in-place change makes the copy stale: not used).
-int64_t set_packed(const at::Tensor& weight, const at::Tensor& packed) {
+// storage, shape and version (an in-place change makes the copy stale: not used). huge_pages:
+// a reorder's memory is collapsed into transparent huge pages (collapse_huge_pages).
+int64_t set_packed(const at::Tensor& weight, const at::Tensor& packed, bool huge_pages) {
   const bool reorder = packed.is_mkldnn();
   TORCH_CHECK(weight.dim() == 2 && packed.dim() == (reorder ? 2 : 3) &&
                   packed.scalar_type() == weight.scalar_type() &&
@@ -820,6 +850,9 @@ int64_t set_packed(const at::Tensor& weight, const at::Tensor& packed) {
                                  packed.size(1) == weight.size(1) && packed.size(2) == kPanel),
               "set_packed: the weight's panels (pack_panels) or, for a bfloat16 weight, "
               "oneDNN's reorder of it expected, got a tensor of shape ", packed.sizes());
+  if (reorder && huge_pages)
+    collapse_huge_pages(at::native::data_ptr_from_mkldnn(packed),
+                        at::native::nbytes_from_mkldnn(packed));
   std::lock_guard<std::mutex> guard(g_packed_mutex);
   g_packed[weight.data_ptr()] = Packed{weight._version(), weight.sizes().vec(), packed};
   return reinterpret_cast<int64_t>(weight.data_ptr());
@@ -864,11 +897,25 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
         &configure);
   m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
   m.def("streams(int n=-1) -> int", &streams);
-  m.def("set_packed(Tensor weight, Tensor packed) -> int", &set_packed);
+  m.def("set_packed(Tensor weight, Tensor packed, bool huge_pages=False) -> int", &set_packed);
+  // (exposed for tests: whether the kernel collapsed a tensor's whole 2 MiB pages)
+  m.def("collapse_huge_pages(Tensor t) -> bool", [](const at::Tensor& t) {
+    return t.is_mkldnn() ? collapse_huge_pages(at::native::data_ptr_from_mkldnn(t),
+                                               at::native::nbytes_from_mkldnn(t))
+                         : collapse_huge_pages(t.data_ptr(), t.nbytes());
+  });
   m.def("drop_packed(int key) -> ()", &drop_packed);
   m.def("num_packed() -> int", &num_packed);
+  // The weight's current packed copy, if one is registered (tests, inspection).
+  m.def("packed_of(Tensor weight) -> Tensor?", [](const at::Tensor& weight) {
+    at::Tensor p = find_packed(weight);
+    return p.defined() ? std::optional<at::Tensor>(p) : std::nullopt;
+  });
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.impl("pack_panels", c10::DispatchKey::CPU, &pack_panels);
+  // the same into a given tensor (one mapped for huge pages: vllm/utils/hugepages.py)
+  m.def("pack_panels_out(Tensor weight, Tensor(a!) out) -> ()");
+  m.impl("pack_panels_out", c10::DispatchKey::CPU, &pack_panels_out);
   m.def("panel_linear(Tensor x, Tensor panels, int N, Tensor? bias=None) -> Tensor");
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
   m.def("panel_prefetch_lines(int lines=-1) -> int", &panel_prefetch_lines);
