@@ -70,6 +70,19 @@ def test_mapping_is_advised_where_the_kernel_offers_huge_pages(thp_mode):
     assert vma_flags(t.data_ptr()).get("THPeligible") == "1"
 
 
+@linux_only
+def test_only_whole_huge_pages_are_advised(thp_mode):
+    """A tensor of 1.5 huge pages: its first 2 MiB advised, its tail left in small pages (a
+    partial huge page would hold memory the tensor never uses)."""
+    if hugepages.transparent_huge_pages.__wrapped__() != "madvise":
+        pytest.skip("needs THP mode madvise to tell advised from not")
+    thp_mode("madvise")
+    t = cpu_zeros((3 * HUGE_PAGE_BYTES // 2,), torch.uint8)
+    t.fill_(1)
+    assert vma_flags(t.data_ptr()).get("THPeligible") == "1"
+    assert vma_flags(t.data_ptr() + HUGE_PAGE_BYTES).get("THPeligible") == "0"
+
+
 def test_small_tensor_and_switched_off_are_plain_zeros(thp_mode, monkeypatch):
     thp_mode("madvise")
     small = cpu_zeros((16, 16), torch.float32)
