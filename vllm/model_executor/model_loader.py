@@ -135,8 +135,9 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
 
 
 def _empty_param(param: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Storage for `param` on `device`, not initialised: on the CPU a large one in
-    transparent huge pages (vllm/utils/hugepages.py: decode streams every weight each step)."""
+    """Storage for `param` on `device`, for the loader to fill: on the CPU zero-filled, a large
+    one in transparent huge pages (vllm/utils/hugepages.py: decode streams every weight each
+    step); elsewhere not initialised."""
     if torch.device(device).type == "cpu":
         from vllm.utils.hugepages import cpu_zeros
 

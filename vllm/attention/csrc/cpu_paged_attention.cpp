@@ -406,9 +406,10 @@ inline vf scores_in_place(const float* q, int64_t D, const T* k, int64_t k_strid
 // The item's rows (Scratch `s`: query, first and last visible position set; head_rows rows
 // per KV head, KV heads [head0, head1), row (g - head0) * head_rows + i) against positions
 // [key0, n_keys), whose block ids are `blocks`: leaves each row's unnormalized result in
-// s.acc (zeroed by the caller) and its softmax sum in s.l (the caller divides). Both passes walk the positions in
-// cache order, every KV head of the item at each chunk, so a cold cache streams block by
-// block (the next block prefetched) rather than in strided slices per head. DV = D / 16.
+// s.acc (zeroed by the caller) and its softmax sum in s.l (the caller divides). Both passes
+// walk the positions in cache order, every KV head of the item at each chunk, so a cold cache
+// streams block by block (the next block prefetched) rather than in strided slices per head.
+// DV = D / 16.
 template <typename T, bool kCap, int DV>
 void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, const T* cache,
                    const int32_t* blocks, int64_t num_blocks, int64_t BS, int64_t c_pos,
@@ -432,7 +433,8 @@ void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, 
     if (b * BS >= end || ids[b] < 0 || ids[b] >= num_blocks) return;
     const char* p = reinterpret_cast<const char*>(base + ids[b] * c_blk + offset);
     for (int64_t j = 0; j < BS; ++j)
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + j * c_pos * sizeof(T) + off);
+      for (int64_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch(p + j * c_pos * sizeof(T) + off);
   };
   // pass 1: scores, chunk by chunk (a chunk never crosses a block)
   for (int64_t p0 = key0; p0 < n_keys;) {
