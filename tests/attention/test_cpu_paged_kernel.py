@@ -48,6 +48,16 @@ def make_batch(requests, heads, kv_heads, head_size, block_size, dtype, seed=0):
     return query, cache, table, seq_lens, torch.tensor(starts, dtype=torch.int64)
 
 
+def on_two_threads(fn, *args):
+    """fn(*args) with torch on at least two threads (work items split between them)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(threads, 2))
+        fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_size,block_size",
                          [(4, 4, 16, 4), (14, 2, 64, 16), (8, 1, 32, 8), (4, 2, 128, 16),
@@ -80,12 +90,7 @@ def test_kernel_decode_rows_long_contexts(dtype, heads, kv_heads, head_size):
     reqs = torch.arange(len(requests))
     out = torch.full(query.shape, 7.0, dtype=dtype)
     ref = torch.zeros(query.shape, dtype=dtype)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(max(threads, 2))
-        paged_attention(query, cache, table, seq_lens, starts, reqs, 0.125, out)
-    finally:
-        torch.set_num_threads(threads)
+    on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125, out)
     paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
@@ -109,12 +114,7 @@ def test_kernel_many_threads_and_long_sequences():
     query, cache, table, seq_lens, starts = make_batch(requests, 14, 2, 64, 16, torch.float32)
     reqs = torch.arange(len(requests))
     out, ref = torch.empty(query.shape), torch.empty(query.shape)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(max(threads, 2))
-        paged_attention(query, cache, table, seq_lens, starts, reqs, 0.125, out)
-    finally:
-        torch.set_num_threads(threads)
+    on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125, out)
     paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 

@@ -210,16 +210,19 @@ inline vf reduce16(const vf* p) {
 }
 
 // Scores of one row against a chunk of nk keys (lanes >= nk are zero; the caller masks).
-// Head sizes that are a multiple of 16: a vector dot product per key over float K rows.
+// Head sizes that are a multiple of 16: a vector dot product per key over K rows `k_stride`
+// elements apart.
 #if defined(__AVX512F__)
-// One 16-lane vector per key, then one reduce16 for the 16 keys.
-inline vf scores_dense(const float* q, int64_t D, const float* k, int64_t k_stride, int nk) {
+// One 16-lane vector per key, then one reduce16 for the 16 keys. K float (fold_keys' copies),
+// or the cache's own bfloat16 / half rows widened in registers (two_pass_item).
+template <typename T>
+inline vf scores_dense(const float* q, int64_t D, const T* k, int64_t k_stride, int nk) {
   vf p[kKeys];
   for (int j = 0; j < kKeys; ++j) {
     vf a{};
     if (j < nk) {
-      const float* kj = k + j * k_stride;
-      for (int64_t c = 0; c < D; c += kKeys) a += load_u(q + c) * load_u(kj + c);
+      const T* kj = k + j * k_stride;
+      for (int64_t c = 0; c < D; c += kKeys) a += load_u(q + c) * load16(kj + c);
     }
     p[j] = a;
   }
@@ -387,22 +390,6 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
 // 1.0-1.2x, the reads' speed bounding both; 16 such rows 1.3-1.7x warm, 1.1-1.2x cold.
 
 #if defined(__AVX512F__)
-// Scores of one row against nk <= 16 keys of K element type T, rows `k_stride` apart (lanes
-// >= nk are zero): one 16-lane vector per key, then one reduce16. D is a multiple of 16.
-template <typename T>
-inline vf scores_in_place(const float* q, int64_t D, const T* k, int64_t k_stride, int nk) {
-  vf p[kKeys];
-  for (int j = 0; j < kKeys; ++j) {
-    vf a{};
-    if (j < nk) {
-      const T* kj = k + j * k_stride;
-      for (int64_t c = 0; c < D; c += kKeys) a += load_u(q + c) * load16(kj + c);
-    }
-    p[j] = a;
-  }
-  return reduce16(p);
-}
-
 // The item's rows (Scratch `s`: query, first and last visible position set; head_rows rows
 // per KV head, KV heads [head0, head1), row (g - head0) * head_rows + i) against positions
 // [key0, n_keys), whose block ids are `blocks`: leaves each row's unnormalized result in
@@ -453,7 +440,7 @@ void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, 
         continue;
       }
       const T* k = chunk + (head0 + row / head_rows) * D;
-      vf score = scores_in_place(s.q.data() + row * D, D, k, c_pos, nk);
+      vf score = scores_dense(s.q.data() + row * D, D, k, c_pos, nk);
       if constexpr (kCap) score = soft_cap(score, cap, inv_cap);
       store_u(out, (lane < static_cast<int32_t>(visible)) & (lane >= static_cast<int32_t>(lo))
                        ? score
