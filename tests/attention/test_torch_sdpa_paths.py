@@ -59,3 +59,54 @@ def test_kernel_and_torch_paths_agree(dtype, monkeypatch):
     torch.testing.assert_close(cache, torch_cache, atol=0, rtol=0)
     # only the dummy block 0 and the requests' own slots were written
     assert cache[:, 0].abs().sum() > 0
+
+
+def _decode_batch(dtype, cache):
+    """One decode row over 5 cached positions of block 3 (whatever the cache holds)."""
+    md = TorchSDPAMetadataBuilder().build([1], [6], [[3, 7]], [3 * BLOCK_SIZE + 1])
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, HEADS * HEAD_SIZE, generator=gen).to(dtype)
+    k = torch.randn(1, KV_HEADS * HEAD_SIZE, generator=gen).to(dtype)
+    v = torch.randn(1, KV_HEADS * HEAD_SIZE, generator=gen).to(dtype)
+    return md, q, k, v
+
+
+def test_a_rebound_cache_is_checked_again():
+    """The cache checks run once per cache tensor: a layer bound to an empty or a
+    non-contiguous cache later still gets its clear error."""
+    impl = TorchSDPAImpl(HEADS, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), KV_HEADS)
+    good = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    md, q, k, v = _decode_batch(torch.float32, good)
+    impl.forward(_Layer(), q, k, v, good, md, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="has no KV cache"):
+        impl.forward(_Layer(), q, k, v, torch.empty(0), md, torch.empty_like(q))
+    strided = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, 2 * HEAD_SIZE)[..., :HEAD_SIZE]
+    with pytest.raises(ValueError, match="must be contiguous"):
+        impl.forward(_Layer(), q, k, v, strided, md, torch.empty_like(q))
+
+
+@pytest.mark.skipif(not cpu_paged_kernel.cpu_paged_attention_available(),
+                    reason="the CPU paged-attention kernel could not be built")
+def test_the_kernel_decision_follows_cache_and_dtypes(monkeypatch):
+    """The kernel-or-torch decision is remade when the cache tensor or an input dtype
+    changes: a float32 layer that took the kernel takes the torch path for float64 inputs
+    and a float64 cache (the kernel has no float64), and the kernel again after."""
+    paths = []
+    real_decode = TorchSDPAImpl._decode
+    monkeypatch.setattr(TorchSDPAImpl, "_decode",
+                        lambda self, *a: paths.append("torch") or real_decode(self, *a))
+    real_op = torch.ops.vllm_cpu_attn.write_and_attend
+    monkeypatch.setattr(torch.ops.vllm_cpu_attn, "write_and_attend",
+                        lambda *a: paths.append("kernel") or real_op(*a))
+    impl = TorchSDPAImpl(HEADS, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), KV_HEADS)
+    results = {}
+    for dtype in (torch.float32, torch.float64, torch.float32):
+        cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE,
+                            generator=torch.Generator().manual_seed(2)).to(dtype)
+        md, q, k, v = _decode_batch(dtype, cache)
+        out = torch.empty_like(q)
+        impl.forward(_Layer(), q, k, v, cache, md, out)
+        results.setdefault(dtype, out)
+    assert paths == ["kernel", "torch", "kernel"]
+    torch.testing.assert_close(results[torch.float32].double(), results[torch.float64],
+                               atol=1e-5, rtol=1e-5)

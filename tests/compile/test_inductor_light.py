@@ -216,3 +216,65 @@ def test_rewrite_refuses_other_uses_of_the_cpp_wrapper_builder(change, replaceme
     assert change in CPP_WRAPPER_CODE
     with pytest.raises(NotLight, match=reason):
         rewrite(CPP_WRAPPER_CODE.replace(change, replacement))
+
+
+def _handle_entry(seen: list):
+    """A C++ entry as the shim calls it: owned input handles in, output handles out (here
+    inputs[0] * inputs[1]); notes each input's dtype, value and storage."""
+    def entry(handles):
+        inputs = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs(handles)
+        seen.append([(t.dtype, t.tolist(), t.data_ptr()) for t in inputs])
+        return torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors([inputs[0] * inputs[1]])
+    return entry
+
+
+def test_cpp_entry_call_does_what_inductors_shim_does():
+    """CppEntryCall against torch 2.13's own shim (the text it replaces) on the same entry:
+    same results and input tensors; an int argument's 0-d tensor is made once per value."""
+    namespace = {"torch": torch}
+    exec(inductor_light._CPP_WRAPPER_SHIM, namespace)
+    theirs_seen, ours_seen = [], []
+    theirs = namespace["_wrap_func"](_handle_entry(theirs_seen))
+    ours = inductor_light.CppEntryCall(_handle_entry(ours_seen))
+    x = torch.randn(3)
+    for scalar in (3, 3, 4, True, 2.5):
+        args_theirs, args_ours = [x, scalar], [x, scalar]
+        expected, got = theirs(args_theirs), ours(args_ours)
+        torch.testing.assert_close(got[0], expected[0])
+        assert args_ours == [] and args_theirs == []  # the code after a call may not keep them
+    assert [[s[:2] for s in call] for call in ours_seen] == \
+        [[s[:2] for s in call] for call in theirs_seen]
+    int_storage = [call[1][2] for call in ours_seen]
+    assert int_storage[0] == int_storage[1] != int_storage[2]  # 3 kept, 4 another tensor
+    assert ours_seen[3][1][:2] == (torch.bool, True)  # not the int 1's tensor
+
+
+def test_cpp_entry_call_keeps_a_bounded_number_of_ints(monkeypatch):
+    monkeypatch.setattr(inductor_light.CppEntryCall, "MAX_INTS", 2)
+    seen = []
+    ours = inductor_light.CppEntryCall(_handle_entry(seen))
+    for n in (1, 2, 3, 3):
+        ours([torch.ones(1), n])
+    assert [call[1][1] for call in seen] == [1, 2, 3, 3]
+    assert seen[2][1][2] != seen[3][1][2]  # 3 came after the bound: made per call
+
+
+def test_load_uses_cpp_entry_call_only_for_the_known_shim():
+    """`_fast_call` swaps in CppEntryCall only where the code's shim is exactly torch's; other
+    code keeps its own `call`."""
+    entry = _handle_entry([])
+    known = "import torch\n" + inductor_light._CPP_WRAPPER_SHIM + "\ncall = _wrap_func(entry)\n"
+    namespace = {"entry": entry}
+    exec(known, namespace)
+    call = inductor_light._fast_call(known, namespace)
+    assert isinstance(call, inductor_light.CppEntryCall)
+    torch.testing.assert_close(call([torch.full((2,), 2.0), 3])[0], torch.full((2,), 6.0))
+    direct = known.replace("call = _wrap_func(entry)", "call = entry")
+    namespace = {"entry": entry}
+    exec(direct, namespace)
+    assert inductor_light._fast_call(direct, namespace) is entry
+    # another shim (the test's C++-wrapper code converts without handles): its own call
+    source = rewrite(CPP_WRAPPER_CODE)[0]
+    namespace = {"__vllm_light__": SimpleNamespace(kernels={"inductor_entry": entry})}
+    exec(source, namespace)
+    assert inductor_light._fast_call(source, namespace) is namespace["call"]

@@ -36,12 +36,12 @@ def cpu_paged_attention_available() -> bool:
     return load_cpu_extension("paged_attention", _SOURCE, "VLLM_CPU_ATTENTION_KERNEL")
 
 
-def _window_arg(window: int | None) -> int:
+def window_arg(window: int | None) -> int:
     """The kernels' int window argument: 0 = no window."""
     return check_sliding_window(window, "window") or 0
 
 
-def _soft_cap_arg(soft_cap: float | None) -> float:
+def soft_cap_arg(soft_cap: float | None) -> float:
     """The kernels' float soft-cap argument: 0.0 = none."""
     return check_logits_soft_cap(soft_cap, "soft_cap") or 0.0
 
@@ -59,7 +59,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
                                             query_start_loc, req_indices, scale, out,
-                                            _window_arg(window), _soft_cap_arg(soft_cap))
+                                            window_arg(window), soft_cap_arg(soft_cap))
 
 
 def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,8 +73,8 @@ def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     all of kv_cache's dtype; slot_mapping int64. Needs `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
                                              block_table, seq_lens, query_start_loc,
-                                             req_indices, scale, out, _window_arg(window),
-                                             _soft_cap_arg(soft_cap))
+                                             req_indices, scale, out, window_arg(window),
+                                             soft_cap_arg(soft_cap))
 
 
 def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -87,7 +87,7 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
     i of a request with `context` cached tokens sits at position p = context + i and sees the
     keys at positions j <= p, and with a sliding window W only those with j > p - W; with a
     `soft_cap` c each scaled score s becomes c * tanh(s / c) before the mask and softmax."""
-    window = _window_arg(window)
+    window = window_arg(window)
     soft_cap = check_logits_soft_cap(soft_cap, "soft_cap")
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = query.shape[1] // kv_heads

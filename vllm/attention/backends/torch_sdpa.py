@@ -184,6 +184,43 @@ class TorchSDPAImpl(AttentionImpl):
     """`sliding_window` (AttentionImpl): W or None, applied on both the kernel and the torch
     path."""
 
+    # What `forward` checks once per KV-cache tensor and query dtype rather than per call: it
+    # runs once per layer per step, where each Python check costs more than it would warm
+    # (the step's weight stream has evicted the objects it reads).
+    _checked_cache: torch.Tensor | None = None
+    _kernel_cache: torch.Tensor | None = None
+    _kernel_dtypes: tuple[torch.dtype, ...] | None = None
+    _kernel_ok = False
+
+    def _check_cache(self, layer: Any, kv_cache: torch.Tensor) -> None:
+        if kv_cache.numel() == 0:
+            raise RuntimeError(f"attention layer {getattr(layer, 'layer_name', '?')!r} has no KV "
+                               "cache: bind one with vllm.attention.layer.bind_kv_cache()")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache tensor must be contiguous "
+                             "[2, num_blocks, block_size, num_kv_heads, head_size]")
+        self._checked_cache = kv_cache
+
+    def _kernel_serves(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> bool:
+        """Whether the C++ kernel (`cpu_paged_kernel.write_and_attend`) computes this call:
+        CPU tensors of one supported dtype and an int32 block table. Decided once per cache
+        tensor and input dtypes; the kernel's arguments that never change are made then."""
+        dtypes = (query.dtype, key.dtype, value.dtype, md.block_table.dtype)
+        if kv_cache is not self._kernel_cache or dtypes != self._kernel_dtypes:
+            dtype = kv_cache.dtype
+            self._kernel_ok = (query.device.type == "cpu" and query.dtype == dtype
+                               and key.dtype == dtype and value.dtype == dtype
+                               and dtype in cpu_paged_kernel.SUPPORTED_DTYPES
+                               and md.block_table.dtype == torch.int32
+                               and cpu_paged_kernel.cpu_paged_attention_available())
+            if self._kernel_ok:
+                self._kernel_op = torch.ops.vllm_cpu_attn.write_and_attend
+                self._kernel_window = cpu_paged_kernel.window_arg(self.sliding_window)
+                self._kernel_soft_cap = cpu_paged_kernel.soft_cap_arg(self.logits_soft_cap)
+            self._kernel_cache, self._kernel_dtypes = kv_cache, dtypes
+        return self._kernel_ok
+
     @classmethod
     def fused_output_quant_supported(cls, quant_dtype: torch.dtype, static: bool,
                                      per_tensor: bool) -> bool:
@@ -197,21 +234,13 @@ class TorchSDPAImpl(AttentionImpl):
         md = attn_metadata
         self._output_scale = output_scale
         num_tokens = query.shape[0]
-        if kv_cache.numel() == 0:
-            raise RuntimeError(f"attention layer {getattr(layer, 'layer_name', '?')!r} has no KV "
-                               "cache: bind one with vllm.attention.layer.bind_kv_cache()")
-        if not kv_cache.is_contiguous():
-            raise ValueError("the KV cache tensor must be contiguous "
-                             "[2, num_blocks, block_size, num_kv_heads, head_size]")
+        if kv_cache is not self._checked_cache:
+            self._check_cache(layer, kv_cache)
         num_slots = min(num_tokens, md.slot_mapping.shape[0])
         slots = md.slot_mapping if num_slots == md.slot_mapping.shape[0] else \
             md.slot_mapping[:num_slots]
 
-        dtype = kv_cache.dtype
-        if (query.device.type == "cpu" and query.dtype == dtype and key.dtype == dtype
-                and value.dtype == dtype and dtype in cpu_paged_kernel.SUPPORTED_DTYPES
-                and md.block_table.dtype == torch.int32
-                and cpu_paged_kernel.cpu_paged_attention_available()):
+        if self._kernel_serves(query, key, value, kv_cache, md):
             # One C++ call writes the new K/V and attends for every request.
             requests = md._plans.get("all_requests")
             if requests is None:
@@ -219,11 +248,9 @@ class TorchSDPAImpl(AttentionImpl):
             # An FP8 output is quantized from a result in the query's dtype, as the unfused
             # graph (attention, then the quant op) would compute it.
             result = output if output_scale is None else torch.empty_like(query)
-            cpu_paged_kernel.write_and_attend(query, key, value, kv_cache, slots,
-                                              md.block_table, md.seq_lens, md.query_start_loc,
-                                              requests, self.scale, result,
-                                              window=self.sliding_window,
-                                              soft_cap=self.logits_soft_cap)
+            self._kernel_op(query, key, value, kv_cache, slots, md.block_table, md.seq_lens,
+                            md.query_start_loc, requests, self.scale, result,
+                            self._kernel_window, self._kernel_soft_cap)
             if md.num_actual_tokens < num_tokens:
                 result[md.num_actual_tokens:].zero_()
             if output_scale is not None:
