@@ -308,6 +308,48 @@ def test_prefetch_distance_default_env_and_results(monkeypatch):
         op.prefetch_bytes(before)
 
 
+# ---- bfloat16 dot products from how many rows (per CPU vendor) ----------------------------
+
+def test_bf16_dot_min_rows_default_per_vendor_and_env(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_BF16_DOT_MIN_ROWS", raising=False)
+    for vendor, rows in (("AuthenticAMD", 1), ("GenuineIntel", 3), ("", 3)):
+        monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert cpu_linear.bf16_dot_min_rows() == rows, vendor
+    for good, rows in (("1", 1), (" 4 ", 4), ("17", 17)):
+        monkeypatch.setenv("VLLM_CPU_BF16_DOT_MIN_ROWS", good)
+        assert cpu_linear.bf16_dot_min_rows() == rows
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv("VLLM_CPU_BF16_DOT_MIN_ROWS", bad)
+        with pytest.raises(ValueError, match=f"VLLM_CPU_BF16_DOT_MIN_ROWS.*>= 1.*{bad!r}"):
+            cpu_linear.bf16_dot_min_rows()
+
+
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+@pytest.mark.parametrize("n, k", [(300, 1100), (64, 512), (97, 96), (33, 40)])
+def test_bf16_rows_match_the_reference_through_either_loop(n, k):
+    """1-4 rows of bfloat16 products through the dot-product loop (min rows 1: the one- and
+    two-row paths with independent sums, K tails included) and through the widening loop
+    (min rows 5) match the float64 product within a bfloat16 rounding; on a build without
+    AVX512-BF16 the setting is kept but both are the widening loop."""
+    op = torch.ops.vllm_cpu_linear
+    before = op.bf16_dot_min_rows()
+    assert before == cpu_linear.bf16_dot_min_rows()  # what the first load set (-1: only ask)
+    torch.manual_seed(0)
+    w, b = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    try:
+        for min_rows in (1, 5):
+            assert op.bf16_dot_min_rows(min_rows) == min_rows
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, k).bfloat16()
+                got = op.small_m_linear(x, w, b)
+                want = F.linear(x.double(), w.double(), b.double())
+                torch.testing.assert_close(got.double(), want, atol=2e-2 * k ** 0.5, rtol=1e-2)
+        assert op.bf16_dot_min_rows(0) == 5  # below 1 only asks
+    finally:
+        op.bf16_dot_min_rows(before)
+
+
 @pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
                     reason="the C++ linear dispatcher could not be built")
 def test_panel_prefetch_distance_default_and_env(monkeypatch):

@@ -164,14 +164,17 @@ def small_m_linear_available() -> bool:
                               source_text=_source_text()):
         return False
     # a bad VLLM_CPU_LINEAR_STREAMS, VLLM_CPU_LINEAR_PREFETCH_BYTES,
-    # VLLM_CPU_PANEL_PREFETCH_LINES or VLLM_CPU_ATEN_LINEAR_MIN_ROWS stops here
+    # VLLM_CPU_PANEL_PREFETCH_LINES, VLLM_CPU_ATEN_LINEAR_MIN_ROWS or
+    # VLLM_CPU_BF16_DOT_MIN_ROWS stops here
     streams, distance, panel_lines = weight_streams(), prefetch_bytes(), panel_prefetch_lines()
+    dot_rows = bf16_dot_min_rows()
     torch.ops.vllm_cpu_linear.configure(_max_rows(torch.float32), _max_rows(torch.bfloat16),
                                         onednn_linear_enabled(), bf16_widened(),
                                         *panel_rows(), aten_min_rows(), *bf16_packed_rows())
     torch.ops.vllm_cpu_linear.prefetch_bytes(distance)
     torch.ops.vllm_cpu_linear.panel_prefetch_lines(panel_lines)
     torch.ops.vllm_cpu_linear.streams(streams)
+    torch.ops.vllm_cpu_linear.bf16_dot_min_rows(dot_rows)
     _configured = True
     return True
 
@@ -230,6 +233,35 @@ def prefetch_bytes() -> int:
         default = PREFETCH_BYTES.get(torch.ops.vllm_cpu_linear.isa(), 8192)
     return _non_negative_env("VLLM_CPU_LINEAR_PREFETCH_BYTES", "bytes",
                              "no software prefetch", default)
+
+
+# Fewest rows of x a bfloat16 product of the small-M kernel takes AVX512-BF16 dot products for
+# (vdpbf16ps; fewer rows widen the weight to float32), per CPU vendor. On the Zen 4 dev
+# machine (AVX-512 as two 256-bit halves; 2 threads) one row through the dot loop with four
+# independent sums reads a cached weight ~2x as fast as the widening loop (512-2048 rows of
+# [*, 512]: 53-56 -> 91-105 GB/s; one thread 30-33 -> 55-58), whose conversions bound it
+# there; cold weights (the 50M Llama's linears, one or two rows) read at the same rate
+# either way at ~30 GB/s of memory bandwidth (x0.99-1.03, the sum's rate). Others keep 3,
+# measured on an Intel Xeon (AVX-512 + AMX) before the one-row loop had independent sums.
+BF16_DOT_MIN_ROWS_BY_VENDOR = {"AuthenticAMD": 1}
+BF16_DOT_MIN_ROWS = 3
+
+
+def bf16_dot_min_rows() -> int:
+    """Fewest rows for the bfloat16 dot-product loop: VLLM_CPU_BF16_DOT_MIN_ROWS when set (a
+    whole number >= 1; a ValueError names a bad value), else the measured default of this
+    CPU's vendor. (Only builds for AVX512-BF16 CPUs have the loop.)"""
+    raw = os.environ.get("VLLM_CPU_BF16_DOT_MIN_ROWS")
+    if raw is None or raw.strip() == "":
+        return BF16_DOT_MIN_ROWS_BY_VENDOR.get(cpu_vendor(), BF16_DOT_MIN_ROWS)
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError("VLLM_CPU_BF16_DOT_MIN_ROWS must be a whole number of rows >= 1 (the "
+                         f"fewest rows of x for bfloat16 dot products), got {raw!r}")
+    return rows
 
 
 def panel_prefetch_lines() -> int:

@@ -2,7 +2,7 @@
 //
 //   torch.ops.vllm_cpu_linear.small_m_linear(x [M, K], weight [N, K], bias [N] or None)
 //       -> y [M, N]
-//   torch.ops.vllm_cpu_linear.has_bf16_dot() -> bool
+//   torch.ops.vllm_cpu_linear.has_bf16_dot() -> bool, bf16_dot_min_rows(rows=-1) -> int
 //   torch.ops.vllm_cpu_linear.linear(x [..., K], weight [N, K], bias) -> [..., N]
 //       the dispatcher of every CPU linear (end of file): small-M kernel, the panel kernel
 //       on a prepacked weight (cpu_panel_linear.h), oneDNN, aten::linear; `configure`,
@@ -41,9 +41,10 @@
 // - widening: weight elements are widened to float in registers (float32 and bfloat16), x is
 //   converted to a float buffer once; two vectors (2 x 16 lanes on AVX-512, 2 x 8 on AVX2)
 //   per step, bfloat16 widened without shuffles (load2);
-// - bfloat16 dot products (built for a CPU with AVX512-BF16, products of 3+ rows): vdpbf16ps
-//   multiplies 32 bfloat16 pairs per instruction, neither operand is widened. One or two rows
-//   stream faster through the widening loop (measured), so they keep it.
+// - bfloat16 dot products (built for a CPU with AVX512-BF16, products of at least
+//   g_dot_min_rows rows): vdpbf16ps multiplies 32 bfloat16 pairs per instruction, neither
+//   operand is widened; one or two rows keep four independent sums. Where fewer rows take the
+//   widening loop depends on the CPU (cpu_linear.py: BF16_DOT_MIN_ROWS_BY_VENDOR).
 //
 // x may have a row stride; its last dim, the weight and the bias must be dense. x, weight and
 // bias share one dtype: float32 or bfloat16.
@@ -98,7 +99,10 @@ constexpr int kTileN = 2;
 constexpr int kTileM = 6;
 #endif
 constexpr int kLanes = kVecBytes / 4;     // floats per vector
-constexpr int64_t kDotMinRows = 3;        // fewer rows keep the widening loop
+// Fewest rows of x a bfloat16 product takes the dot-product loop for (AVX512-BF16 builds;
+// fewer keep the widening loop), set from Python per CPU vendor (`bf16_dot_min_rows` op;
+// cpu_linear.py says what was measured where).
+int64_t g_dot_min_rows = 3;
 // How far ahead of the read one stream prefetches (0: no software prefetch), set from Python
 // per ISA level (`prefetch_bytes` op; cpu_linear.py says what was measured where).
 int64_t g_prefetch_bytes = 8192;
@@ -308,6 +312,40 @@ struct Bf16Dot {
   static inline void block(const T* w, int64_t K, int64_t rs, int64_t k0, int64_t k1,
                            const T* x, int64_t x_stride, vf* acc_io, bool pf) {
     const bool prefetch = pf && g_prefetch_bytes > 0;
+    if constexpr (NR == 1 && MR <= 2) {
+      // One stream and one or two x rows: U independent sums per x row, else each step
+      // waits on the previous vdpbf16ps (its latency, not the reads, bounds a cached row).
+      constexpr int U = 4 / MR;
+      __m512 a[U][MR];
+      for (int u = 0; u < U; ++u)
+        for (int j = 0; j < MR; ++j)
+          a[u][j] = u == 0 ? (__m512)acc_io[j] : _mm512_setzero_ps();
+      int64_t k = k0;
+      for (; k + U * kStep <= k1; k += U * kStep) {
+        if (prefetch) {
+          const char* ahead = reinterpret_cast<const char*>(prefetch_at<1>(w, K, rs, 0, k));
+          for (int u = 0; u < U; ++u) __builtin_prefetch(ahead + u * kLineBytes);
+        }
+        for (int u = 0; u < U; ++u) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + u * kStep);
+          for (int j = 0; j < MR; ++j)
+            a[u][j] = _mm512_dpbf16_ps(
+                a[u][j], wv, (__m512bh)_mm512_loadu_si512(x + j * x_stride + k + u * kStep));
+        }
+      }
+      for (; k < k1; k += kStep) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int j = 0; j < MR; ++j)
+          a[0][j] = _mm512_dpbf16_ps(a[0][j], wv,
+                                     (__m512bh)_mm512_loadu_si512(x + j * x_stride + k));
+      }
+      for (int j = 0; j < MR; ++j) {
+        __m512 sum = a[0][j];
+        for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, a[u][j]);
+        acc_io[j] = (vf)sum;
+      }
+      return;
+    }
     __m512 acc[NR][MR];
     for (int i = 0; i < NR; ++i)
       for (int j = 0; j < MR; ++j) acc[i][j] = (__m512)acc_io[i * MR + j];
@@ -538,7 +576,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
       using T = c10::BFloat16;
       const T* bp = has_bias ? bias->data_ptr<T>() : nullptr;
 #if defined(__AVX512BF16__)
-      if (x.size(0) >= kDotMinRows) {
+      if (x.size(0) >= g_dot_min_rows) {
         run<Bf16Dot>(x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1), weight.data_ptr<T>(),
                      weight.size(0), bp, out.data_ptr<T>(), out.stride(0));
         break;
@@ -800,6 +838,13 @@ int64_t prefetch_bytes(int64_t bytes) {
   return g_prefetch_bytes;
 }
 
+// Fewest x rows of a bfloat16 product for the dot-product loop (>= 1; a smaller value only
+// reads it). Returns the count in force. (Builds without AVX512-BF16 always widen.)
+int64_t bf16_dot_min_rows(int64_t rows) {
+  if (rows >= 1) g_dot_min_rows = rows;
+  return g_dot_min_rows;
+}
+
 // Weight streams per thread of the small-M kernel (1, 2, 4 or 8); a value outside that set only
 // reads it. Returns the count in force.
 int64_t streams(int64_t n) {
@@ -884,7 +929,8 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   m.def("isa() -> str", &isa_level);
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_m_linear", c10::DispatchKey::CPU, &small_m_linear);
-  // Whether bfloat16 products of 3+ rows use AVX512-BF16 dot products.
+  // Whether bfloat16 products (of bf16_dot_min_rows rows or more) use AVX512-BF16 dot
+  // products.
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, &linear);
@@ -897,6 +943,7 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
         &configure);
   m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
   m.def("streams(int n=-1) -> int", &streams);
+  m.def("bf16_dot_min_rows(int rows=-1) -> int", &bf16_dot_min_rows);
   m.def("set_packed(Tensor weight, Tensor packed, bool huge_pages=False) -> int", &set_packed);
   // (exposed for tests: whether the kernel collapsed a tensor's whole 2 MiB pages)
   m.def("collapse_huge_pages(Tensor t) -> bool", [](const at::Tensor& t) {
