@@ -110,3 +110,18 @@ def test_the_kernel_decision_follows_cache_and_dtypes(monkeypatch):
     assert paths == ["kernel", "torch", "kernel"]
     torch.testing.assert_close(results[torch.float32].double(), results[torch.float64],
                                atol=1e-5, rtol=1e-5)
+
+
+def test_the_impl_does_not_keep_a_cache_alive():
+    """A KV cache the engine drops is freed: the impl remembers it only weakly."""
+    import gc
+    import weakref
+
+    impl = TorchSDPAImpl(HEADS, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), KV_HEADS)
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    md, q, k, v = _decode_batch(torch.float32, cache)
+    impl.forward(_Layer(), q, k, v, cache, md, torch.empty_like(q))
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None

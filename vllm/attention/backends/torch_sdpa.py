@@ -29,6 +29,8 @@ chunks of query rows that bound the scores' memory; a layer without a cap keeps 
 """
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,11 +186,12 @@ class TorchSDPAImpl(AttentionImpl):
     """`sliding_window` (AttentionImpl): W or None, applied on both the kernel and the torch
     path."""
 
-    # What `forward` checks once per KV-cache tensor and query dtype rather than per call: it
+    # What `forward` checks once per KV-cache tensor and input dtypes rather than per call: it
     # runs once per layer per step, where each Python check costs more than it would warm
-    # (the step's weight stream has evicted the objects it reads).
-    _checked_cache: torch.Tensor | None = None
-    _kernel_cache: torch.Tensor | None = None
+    # (the step's weight stream has evicted the objects it reads). The cache tensors are held
+    # weakly: a cache the engine lets go of is freed.
+    _checked_cache: Callable[[], torch.Tensor | None] = staticmethod(lambda: None)
+    _kernel_cache: Callable[[], torch.Tensor | None] = staticmethod(lambda: None)
     _kernel_dtypes: tuple[torch.dtype, ...] | None = None
     _kernel_ok = False
 
@@ -199,7 +202,7 @@ class TorchSDPAImpl(AttentionImpl):
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache tensor must be contiguous "
                              "[2, num_blocks, block_size, num_kv_heads, head_size]")
-        self._checked_cache = kv_cache
+        self._checked_cache = weakref.ref(kv_cache)
 
     def _kernel_serves(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> bool:
@@ -207,7 +210,7 @@ class TorchSDPAImpl(AttentionImpl):
         CPU tensors of one supported dtype and an int32 block table. Decided once per cache
         tensor and input dtypes; the kernel's arguments that never change are made then."""
         dtypes = (query.dtype, key.dtype, value.dtype, md.block_table.dtype)
-        if kv_cache is not self._kernel_cache or dtypes != self._kernel_dtypes:
+        if kv_cache is not self._kernel_cache() or dtypes != self._kernel_dtypes:
             dtype = kv_cache.dtype
             self._kernel_ok = (query.device.type == "cpu" and query.dtype == dtype
                                and key.dtype == dtype and value.dtype == dtype
@@ -218,7 +221,7 @@ class TorchSDPAImpl(AttentionImpl):
                 self._kernel_op = torch.ops.vllm_cpu_attn.write_and_attend
                 self._kernel_window = cpu_paged_kernel.window_arg(self.sliding_window)
                 self._kernel_soft_cap = cpu_paged_kernel.soft_cap_arg(self.logits_soft_cap)
-            self._kernel_cache, self._kernel_dtypes = kv_cache, dtypes
+            self._kernel_cache, self._kernel_dtypes = weakref.ref(kv_cache), dtypes
         return self._kernel_ok
 
     @classmethod
@@ -234,7 +237,7 @@ class TorchSDPAImpl(AttentionImpl):
         md = attn_metadata
         self._output_scale = output_scale
         num_tokens = query.shape[0]
-        if kv_cache is not self._checked_cache:
+        if kv_cache is not self._checked_cache():
             self._check_cache(layer, kv_cache)
         num_slots = min(num_tokens, md.slot_mapping.shape[0])
         slots = md.slot_mapping if num_slots == md.slot_mapping.shape[0] else \
