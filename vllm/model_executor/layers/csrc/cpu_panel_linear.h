@@ -41,11 +41,17 @@ constexpr int kPanelVecs = static_cast<int>(kPanel) / kLanes;
 // (27 of 32 registers).
 constexpr int kPanelTileM = 12;
 constexpr int kPanelTileP = 2;
+// Products of 13-16 rows (batch-16 decode) as one tile of 16 rows x 1 panel instead of a
+// 12-row and a 4-row tile: every weight line is used by all rows as it arrives from memory,
+// so the reads overlap the FMAs (with two tiles the first streamed the block while the FMAs
+// waited, and the second computed from L1 while nothing was read).
+constexpr int kPanelWideTileM = 16;
 #else
 // AVX2: a panel is two 8-lane vectors; 6 rows x 1 panel = 12 accumulators, 2 weight vectors
 // and a broadcast (15 of 16 registers).
 constexpr int kPanelTileM = 6;
 constexpr int kPanelTileP = 1;
+constexpr int kPanelWideTileM = 0;  // (none)
 #endif
 constexpr int64_t kPanelKBlock = 256;
 constexpr int64_t kPanelChunkRows = 64;
@@ -207,14 +213,14 @@ inline void panel_tile_rows(int rows, const T* w, int64_t K, const float* xt, in
   }
 }
 
-// x [M, K] in tiles, float32: the kPanelTileM rows from r0 (fewer in the last tile) at
+// x [M, K] in tiles, float32: the tile_m rows from r0 (fewer in the last tile) at
 // xt + r0 * K, [k][rows].
 template <typename X>
-void copy_to_tiles(const X* xp, int64_t xs, int64_t M, int64_t K, float* xt) {
-  at::parallel_for(0, (M + kPanelTileM - 1) / kPanelTileM, 1, [&](int64_t begin, int64_t end) {
+void copy_to_tiles(const X* xp, int64_t xs, int64_t M, int64_t K, int64_t tile_m, float* xt) {
+  at::parallel_for(0, (M + tile_m - 1) / tile_m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = t * kPanelTileM;
-      const int64_t rows = std::min<int64_t>(kPanelTileM, M - r0);
+      const int64_t r0 = t * tile_m;
+      const int64_t rows = std::min<int64_t>(tile_m, M - r0);
       float* dst = xt + r0 * K;
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t k = 0; k < K; ++k) dst[k * rows + r] = static_cast<float>(xp[(r0 + r) * xs + k]);
@@ -264,16 +270,31 @@ template <typename T>
 void panel_product(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* bp,
                    float* yp) {
   const int64_t M = x.size(0), K = x.size(1);
+  const bool wide = kPanelWideTileM > 0 && M > kPanelTileM && M <= kPanelWideTileM;
+  const int64_t tile_m = wide ? kPanelWideTileM : kPanelTileM;
   at::Tensor tiles = at::empty({M * K}, x.options().dtype(at::kFloat));
   float* xt = tiles.data_ptr<float>();
   if (x.scalar_type() == at::kFloat)
-    copy_to_tiles(x.data_ptr<float>(), x.stride(0), M, K, xt);
+    copy_to_tiles(x.data_ptr<float>(), x.stride(0), M, K, tile_m, xt);
   else
-    copy_to_tiles(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, xt);
+    copy_to_tiles(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, tile_m, xt);
   const T* wp = panels.data_ptr<T>();
   const int64_t num_panels = panels.size(0);
   const int64_t groups = (num_panels + kPanelTileP - 1) / kPanelTileP;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    if constexpr (kPanelWideTileM > 0) {
+      if (wide) {  // one tile of all M rows, panel by panel
+        for (int64_t p = begin * kPanelTileP; p < std::min(num_panels, end * kPanelTileP); ++p) {
+          const int64_t c0 = p * kPanel;
+          for (int64_t k0 = 0; k0 < K; k0 += kPanelKBlock)
+            panel_tile_rows<kPanelWideTileM, 1, T>(
+                static_cast<int>(M), wp + p * K * kPanel, K, xt, k0, std::min(K, k0 + kPanelKBlock),
+                yp + c0, N, std::min(N - c0, kPanel), bp ? bp + c0 : nullptr, k0 == 0,
+                g_panel_prefetch_lines > 0);
+        }
+        return;
+      }
+    }
     // (chunks of whole tiles, at least kPanelChunkRows rows: products of up to
     // PANEL_MAX_ROWS rows read the weight once)
     constexpr int64_t kChunk = (kPanelChunkRows + kPanelTileM - 1) / kPanelTileM * kPanelTileM;
