@@ -237,12 +237,13 @@ def prefetch_bytes() -> int:
 
 # Fewest rows of x a bfloat16 product of the small-M kernel takes AVX512-BF16 dot products for
 # (vdpbf16ps; fewer rows widen the weight to float32), per CPU vendor. On the Zen 4 dev
-# machine (AVX-512 as two 256-bit halves; 2 threads) one row through the dot loop with four
-# independent sums reads a cached weight ~2x as fast as the widening loop (512-2048 rows of
-# [*, 512]: 53-56 -> 91-105 GB/s; one thread 30-33 -> 55-58), whose conversions bound it
-# there; cold weights (the 50M Llama's linears, one or two rows) read at the same rate
-# either way at ~30 GB/s of memory bandwidth (x0.99-1.03, the sum's rate). Others keep 3,
-# measured on an Intel Xeon (AVX-512 + AMX) before the one-row loop had independent sums.
+# machine (AVX-512 as two 256-bit halves) the widening loop's conversions bound a cached
+# weight's read rate; the dot loop with independent sums reads [512-2048, 512] weights in
+# cache 1.7-1.8x as fast at one row (2 threads 37-46 -> 62-81 GB/s; 1 thread 30-34 -> 53-56)
+# and 1.3-1.4x at two. Cold weights (all the 50M Llama's linears) read at the memory's rate
+# either way at ~30 GB/s (one row x0.99-1.03; two rows 1.14x for the dot loop), and the
+# end-to-end batch-1 decode was within the run-to-run noise. Others keep 3, measured on an
+# Intel Xeon (AVX-512 + AMX) before the one-row loop had independent sums.
 BF16_DOT_MIN_ROWS_BY_VENDOR = {"AuthenticAMD": 1}
 BF16_DOT_MIN_ROWS = 3
 
