@@ -72,3 +72,62 @@ def test_executor_class():
         tensor_parallel_size=2, distributed_executor_backend="uni"))
     with pytest.raises(NotImplementedError, match="distributed_executor_backend='mp'"):
         Executor.get_class(tp2_uni)
+
+
+def test_a_cpu_kv_cache_larger_than_free_memory_is_refused_with_the_numbers(monkeypatch):
+    from vllm.engine import worker
+
+    monkeypatch.setattr(worker, "available_cpu_memory", lambda: 10 * BLOCK_BYTES)
+    worker.check_cpu_memory_for_kv_cache(10, BLOCK_BYTES)  # fits exactly
+    with pytest.raises(ValueError) as info:
+        worker.check_cpu_memory_for_kv_cache(11, BLOCK_BYTES)
+    message = str(info.value)
+    assert f"11 blocks of {BLOCK_BYTES} bytes" in message
+    assert "VLLM_CPU_KVCACHE_SPACE" in message and "0.01 GiB available" in message
+    monkeypatch.setattr(worker, "available_cpu_memory", lambda: None)  # not Linux: no check
+    worker.check_cpu_memory_for_kv_cache(1 << 30, BLOCK_BYTES)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/meminfo"), reason="Linux only")
+def test_available_cpu_memory_is_read_from_meminfo():
+    from vllm.engine.worker import available_cpu_memory
+
+    with open("/proc/meminfo") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    available = available_cpu_memory()
+    assert 0 < available <= fields["MemTotal"] + fields.get("SwapTotal", 0)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * __import__("os").sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="Linux only")
+def test_the_engine_refuses_a_kv_cache_the_machine_cannot_hold(llama_path, monkeypatch):
+    from vllm import LLM
+    from vllm.engine import worker
+
+    monkeypatch.setattr(worker, "available_cpu_memory", lambda: 1 << 20)
+    with pytest.raises(ValueError, match="does not fit in the memory this machine has free"):
+        LLM(model=llama_path, optimization_level=0, max_model_len=64)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="Linux only")
+def test_cpu_kv_cache_pages_are_taken_as_steps_write_them(llama_path):
+    """A 1 GiB cache costs no start-up time and no memory until steps fill it (with huge
+    pages on; elsewhere it is torch.zeros, all of it resident at once)."""
+    from vllm import LLM, SamplingParams
+    from vllm.utils.hugepages import huge_pages_enabled
+
+    if not huge_pages_enabled():
+        pytest.skip("transparent huge pages unavailable: the cache is torch.zeros")
+    before = _resident_bytes()
+    llm = LLM(model=llama_path, optimization_level=0, max_model_len=64,
+              num_gpu_blocks_override=1 << 17)  # x 8 KiB a block
+    w = llm.llm_engine.executor.worker
+    cache_bytes = sum(t.numel() * t.element_size() for t in w.model_runner.kv_caches.values())
+    assert cache_bytes >= GiB // 2
+    assert _resident_bytes() - before < cache_bytes // 4
+    out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4

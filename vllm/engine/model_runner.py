@@ -145,10 +145,14 @@ class ModelRunner:
         from vllm.utils.hugepages import cpu_zeros
 
         def zeros(shape: tuple[int, ...]) -> torch.Tensor:
-            if torch.device(self.device).type == "cpu":  # in huge pages where large
-                # zero_(): its memory is taken now, as torch.zeros does, not on first use
-                # mid-run (a mapping's zero pages are not resident until written)
-                return cpu_zeros(shape, dtype).zero_()
+            if torch.device(self.device).type == "cpu":
+                # Where large (and huge pages are on), a mapping of the kernel's zero pages
+                # left untouched: a page becomes resident when a step first writes it. Taking
+                # it all now (zero_()) cost 22 s of start-up for the default 4 GiB on a VM
+                # that hands freed memory back to its host (free page reporting: ~5 s a GiB to
+                # fault back in 2 MiB pages), for blocks a small load never uses. That the
+                # memory exists is checked before (Worker.initialize_cache).
+                return cpu_zeros(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
         caches = {name: zeros(layer.get_kv_cache_shape(num_blocks, self.block_size))

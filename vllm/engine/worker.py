@@ -84,6 +84,39 @@ def determine_num_blocks(vllm_config: VllmConfig, block_bytes: int,
     return num_blocks, source
 
 
+def available_cpu_memory() -> int | None:
+    """Bytes the kernel could give this process now without killing anything: MemAvailable
+    plus SwapFree of /proc/meminfo; None where that cannot be read (not Linux)."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                fields[name] = int(rest.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemAvailable" not in fields:
+        return None
+    return fields["MemAvailable"] + fields.get("SwapFree", 0)
+
+
+def check_cpu_memory_for_kv_cache(num_blocks: int, block_bytes: int) -> None:
+    """Raise ValueError, naming the sizes and the knobs, when a CPU KV cache of `num_blocks`
+    blocks of `block_bytes` cannot fit in the memory the machine has free now. The cache's pages are taken as steps
+    first write them (model_runner.initialize_kv_cache), so without this check a cache too
+    large would end the process (the kernel's OOM killer) mid-run, its requests lost."""
+    kv_bytes = num_blocks * block_bytes
+    available = available_cpu_memory()
+    if available is None or kv_bytes <= available:
+        return
+    raise ValueError(
+        f"The KV cache ({num_blocks} blocks of {block_bytes} bytes, {kv_bytes / GiB:.2f} GiB) "
+        f"does not fit in the memory this machine has free ({available / GiB:.2f} GiB "
+        "available, swap included). Give it less: VLLM_CPU_KVCACHE_SPACE (GiB), "
+        "kv_cache_memory_bytes, num_gpu_blocks_override, or a lower max_num_seqs or "
+        "max_model_len.")
+
+
 def output_rank(vllm_config: VllmConfig) -> int:
     """The rank that samples and answers each step: tensor-parallel rank 0 of the last
     pipeline stage (global rank = stage * tp + tp rank)."""
@@ -190,6 +223,11 @@ class Worker:
         return budget - used - peak
 
     def initialize_cache(self, num_blocks: int) -> None:
+        if self.device.type == "cpu":
+            block_bytes = bytes_per_block(self.model_runner.attention_layers,
+                                          self.vllm_config.cache_config.block_size,
+                                          kv_cache_dtype(self.vllm_config))
+            check_cpu_memory_for_kv_cache(num_blocks, block_bytes)
         self.num_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks, kv_cache_dtype(self.vllm_config))
 
