@@ -102,9 +102,10 @@ def available_cpu_memory() -> int | None:
 
 def check_cpu_memory_for_kv_cache(num_blocks: int, block_bytes: int) -> None:
     """Raise ValueError, naming the sizes and the knobs, when a CPU KV cache of `num_blocks`
-    blocks of `block_bytes` cannot fit in the memory the machine has free now. The cache's pages are taken as steps
-    first write them (model_runner.initialize_kv_cache), so without this check a cache too
-    large would end the process (the kernel's OOM killer) mid-run, its requests lost."""
+    blocks of `block_bytes` cannot fit in the memory the machine has free now. The cache's
+    pages are taken as steps first write them (model_runner.initialize_kv_cache), so without
+    this check a cache too large would end the process (the kernel's OOM killer) mid-run, its
+    requests lost."""
     kv_bytes = num_blocks * block_bytes
     available = available_cpu_memory()
     if available is None or kv_bytes <= available:
