@@ -98,6 +98,31 @@ class PreparedBatch:
     """(request, first row, first position, number of rows) of prompt-logprob rows."""
 
 
+# CPU KV cache memory taken at start-up: the blocks the first requests get (the free queue
+# hands them out in id order). A large cache in huge pages is the kernel's zero pages until
+# written (vllm/utils/hugepages.py). Writing all of it at start-up (as torch.zeros does) cost
+# 22 s of a 25 s start-up for the default 4 GiB on a VM that hands freed memory back to its
+# host (virtio-balloon free page reporting: ~5 s a GiB to fault back in, measured on the Zen 4
+# dev machine); leaving all of it to the steps made a fresh process's first request wait for
+# those faults instead (50M Llama: one decode step of 37 ms among ~4 ms ones). This much is
+# taken now (~1.3 s there, a few ms on bare metal); blocks past it are taken as steps first
+# write them (a server's first pass through its cache), and Worker.initialize_cache checks
+# that the whole cache fits in the memory free at start-up.
+KV_CACHE_BYTES_TAKEN_AT_START = 256 << 20
+
+
+def _take_first_blocks(caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    """Write zeros over the first blocks of every CPU cache [2, num_blocks, ...], as many as
+    KV_CACHE_BYTES_TAKEN_AT_START holds over all of them, so their pages are resident."""
+    per_block = sum(c.numel() * c.element_size() for c in caches.values()) // max(num_blocks, 1)
+    first = min(num_blocks, KV_CACHE_BYTES_TAKEN_AT_START // max(per_block, 1))
+    for cache in caches.values():
+        if cache.dim() >= 2 and cache.shape[1] == num_blocks:
+            cache[:, :first].zero_()
+        else:  # another layout: all of it
+            cache.zero_()
+
+
 class ModelRunner:
     def __init__(self, vllm_config: VllmConfig, device: torch.device,
                  is_driver: bool = True) -> None:
@@ -145,18 +170,14 @@ class ModelRunner:
         from vllm.utils.hugepages import cpu_zeros
 
         def zeros(shape: tuple[int, ...]) -> torch.Tensor:
-            if torch.device(self.device).type == "cpu":
-                # Where large (and huge pages are on), a mapping of the kernel's zero pages
-                # left untouched: a page becomes resident when a step first writes it. Taking
-                # it all now (zero_()) cost 22 s of start-up for the default 4 GiB on a VM
-                # that hands freed memory back to its host (free page reporting: ~5 s a GiB to
-                # fault back in 2 MiB pages), for blocks a small load never uses. That the
-                # memory exists is checked before (Worker.initialize_cache).
+            if torch.device(self.device).type == "cpu":  # in huge pages where large
                 return cpu_zeros(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
         caches = {name: zeros(layer.get_kv_cache_shape(num_blocks, self.block_size))
                   for name, layer in self.attention_layers.items()}
+        if torch.device(self.device).type == "cpu":
+            _take_first_blocks(caches, num_blocks)
         bind_kv_cache(self.model, caches)
         self.kv_caches = caches
         return caches
