@@ -282,8 +282,13 @@ def test_prefetch_distance_default_env_and_results(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_LINEAR_PREFETCH_BYTES", raising=False)
     monkeypatch.setenv("VLLM_CPU_LINEAR_STREAMS", "1")
     assert cpu_linear.prefetch_bytes() == cpu_linear.PREFETCH_BYTES.get(level, 8192)
-    monkeypatch.setenv("VLLM_CPU_LINEAR_STREAMS", "4")  # several streams: their distance
-    assert cpu_linear.prefetch_bytes() == cpu_linear.STREAMS_PREFETCH_BYTES
+    monkeypatch.setenv("VLLM_CPU_LINEAR_STREAMS", "4")  # several streams: their vendor's
+    real_vendor = cpu_linear.cpu_vendor
+    for vendor, expected in (("GenuineIntel", cpu_linear.STREAMS_PREFETCH_BYTES),
+                             ("AuthenticAMD", 0), ("", cpu_linear.STREAMS_PREFETCH_BYTES)):
+        monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda v=vendor: v)
+        assert cpu_linear.prefetch_bytes() == expected
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", real_vendor)
     monkeypatch.delenv("VLLM_CPU_LINEAR_STREAMS")
     assert cpu_linear.PREFETCH_BYTES["avx2"] == 0  # any software prefetch measured slower
     assert op.prefetch_bytes() == cpu_linear.prefetch_bytes()  # what the first load set
@@ -370,7 +375,7 @@ def test_panel_prefetch_distance_default_and_env(monkeypatch):
 
 def test_weight_streams_default_per_vendor_and_env(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_LINEAR_STREAMS", raising=False)
-    for vendor, expected in (("GenuineIntel", 8), ("AuthenticAMD", 1), ("", 1)):
+    for vendor, expected in (("GenuineIntel", 8), ("AuthenticAMD", 2), ("", 1)):
         monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda v=vendor: v)
         assert cpu_linear.weight_streams() == expected
     for good in ("1", "2", "4", "8"):

@@ -195,17 +195,25 @@ _max_rows_cache: dict[torch.dtype, int] = {}
 # 19-20 (one-row products of all the Qwen2.5-0.5B shape's or the 50M Llama's linears, float32
 # and bfloat16: 1.25-1.35x; two rows 1.3x, four 1.1x; the AVX2 build there, 4 streams:
 # 1.25-1.5x): its L2 prefetchers keep more lines in flight for several streams than for one.
-# Not measured on AMD CPUs (the Zen 3 dev machine measured one stream 1.3x faster than four
-# adjacent rows side by side), which keep one stream.
-STREAMS_BY_VENDOR = {"GenuineIntel": 8}
+# On the Zen 4 dev machine (AMD EPYC, AVX-512 + AVX512-BF16, a 2-vCPU VM) two streams without
+# software prefetch against one prefetching 8 KB ahead (the old default there), cold weights,
+# 2 threads, paired in-process rounds (7-11 each, medians of the ratios): the 50M Llama's layer
+# linears at one row float32 1.11x, bfloat16 1.38x; at two rows 1.20x / 1.28x; at four
+# 1.17x / 1.00x; its LM head [32000, 512] 1.12x / 1.24x; the 0.5B shape's layer linears
+# 1.14x / 1.17x, its LM head [151936, 896] 1.11x / 1.14x (four streams: 0.97-1.34x, below two
+# on the LM heads; eight 1.04-1.29x): more lines in flight while each small product starts.
+# Not measured on AVX2-only AMD CPUs (Zen 2/3), which take AMD's default.
+STREAMS_BY_VENDOR = {"GenuineIntel": 8, "AuthenticAMD": 2}
 # Software prefetch distance of one weight stream (bytes; 0 = none, the hardware prefetchers
-# alone). With several streams per thread (Intel, above): 1-4 KB measured the same, 8 KB a few
-# % slower. With one stream, per ISA level the library was built for, measured on the two AMD
-# dev machines: on the AVX-512 one (Zen 4) prefetching 4-16 KB ahead beat oneDNN's read rate
-# and 1 KB was ~10% slower; on the AVX2-only one (Zen 2/3) any software prefetch lowered the
-# read rate (one [4864, 896] float32 stream per thread: 19.5 GB/s without, 16.4 at 1 KB,
+# alone). With several streams per thread: on Intel (above) 1-4 KB measured the same, 8 KB a
+# few % slower; on the Zen 4 machine none is best (2 KB with four streams 0.91-0.96x none, with
+# eight 0.79-0.83x). With one stream, per ISA level the library was built for, measured on the
+# two AMD dev machines: on the AVX-512 one (Zen 4) prefetching 4-16 KB ahead beat oneDNN's read
+# rate and 1 KB was ~10% slower; on the AVX2-only one (Zen 2/3) any software prefetch lowered
+# the read rate (one [4864, 896] float32 stream per thread: 19.5 GB/s without, 16.4 at 1 KB,
 # 14.7 at 4 KB; the kernel on the 0.5B shape's weights ~10% faster without).
 STREAMS_PREFETCH_BYTES = 2048
+STREAMS_PREFETCH_BYTES_BY_VENDOR = {"AuthenticAMD": 0}
 PREFETCH_BYTES = {"avx2": 0, "avx512": 8192, "avx512_bf16": 8192}
 STREAM_COUNTS = (1, 2, 4, 8)
 
@@ -225,10 +233,11 @@ def weight_streams() -> int:
 
 def prefetch_bytes() -> int:
     """The small-M kernel's prefetch distance: VLLM_CPU_LINEAR_PREFETCH_BYTES when set (a
-    ValueError names a bad value), else the measured default: STREAMS_PREFETCH_BYTES with
-    several weight streams, else that of the built ISA level."""
+    ValueError names a bad value), else the measured default: with several weight streams
+    that of this CPU's vendor (STREAMS_PREFETCH_BYTES where not measured), with one that of
+    the built ISA level."""
     if weight_streams() > 1:
-        default = STREAMS_PREFETCH_BYTES
+        default = STREAMS_PREFETCH_BYTES_BY_VENDOR.get(cpu_vendor(), STREAMS_PREFETCH_BYTES)
     else:
         default = PREFETCH_BYTES.get(torch.ops.vllm_cpu_linear.isa(), 8192)
     return _non_negative_env("VLLM_CPU_LINEAR_PREFETCH_BYTES", "bytes",
