@@ -169,14 +169,16 @@ class ModelRunner:
         from vllm.attention.layer import bind_kv_cache
         from vllm.utils.hugepages import cpu_zeros
 
+        on_cpu = torch.device(self.device).type == "cpu"
+
         def zeros(shape: tuple[int, ...]) -> torch.Tensor:
-            if torch.device(self.device).type == "cpu":  # in huge pages where large
+            if on_cpu:  # in huge pages where large
                 return cpu_zeros(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
         caches = {name: zeros(layer.get_kv_cache_shape(num_blocks, self.block_size))
                   for name, layer in self.attention_layers.items()}
-        if torch.device(self.device).type == "cpu":
+        if on_cpu:
             _take_first_blocks(caches, num_blocks)
         bind_kv_cache(self.model, caches)
         self.kv_caches = caches

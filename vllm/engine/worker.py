@@ -224,13 +224,13 @@ class Worker:
         return budget - used - peak
 
     def initialize_cache(self, num_blocks: int) -> None:
+        dtype = kv_cache_dtype(self.vllm_config)
         if self.device.type == "cpu":
-            block_bytes = bytes_per_block(self.model_runner.attention_layers,
-                                          self.vllm_config.cache_config.block_size,
-                                          kv_cache_dtype(self.vllm_config))
-            check_cpu_memory_for_kv_cache(num_blocks, block_bytes)
+            check_cpu_memory_for_kv_cache(num_blocks, bytes_per_block(
+                self.model_runner.attention_layers, self.vllm_config.cache_config.block_size,
+                dtype))
         self.num_blocks = num_blocks
-        self.model_runner.initialize_kv_cache(num_blocks, kv_cache_dtype(self.vllm_config))
+        self.model_runner.initialize_kv_cache(num_blocks, dtype)
 
     def compile_or_warm_up_model(self) -> None:
         """Warm-up forwards that compile the model (Dynamo trace, the dynamic graph, each
