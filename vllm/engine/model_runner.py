@@ -167,7 +167,7 @@ class ModelRunner:
         attention layer and bind it (zeroed: padding lanes read block 0 behind a mask, and
         0 * garbage could be NaN)."""
         from vllm.attention.layer import bind_kv_cache
-        from vllm.utils.hugepages import cpu_zeros
+        from vllm.utils.hugepages import cpu_zeros, huge_pages_enabled
 
         on_cpu = torch.device(self.device).type == "cpu"
 
@@ -178,7 +178,7 @@ class ModelRunner:
 
         caches = {name: zeros(layer.get_kv_cache_shape(num_blocks, self.block_size))
                   for name, layer in self.attention_layers.items()}
-        if on_cpu:
+        if on_cpu and huge_pages_enabled():  # (else torch.zeros wrote all of it)
             _take_first_blocks(caches, num_blocks)
         bind_kv_cache(self.model, caches)
         self.kv_caches = caches
