@@ -96,6 +96,12 @@ BF16_DOT_MAX_ROWS = 16
 # 8 rows 1.18x, 10 1.12x, 12 1.22x, 16 1.26x (oneDNN's AVX2 products 0.74-1.06x). So AVX2
 # takes panels from AVX2_PANEL_MIN_ROWS.
 PANEL_MIN_ROWS = 5
+# On the Zen 4 dev machine (AMD, AVX-512) the panel kernel beat the small-M kernel (two weight
+# streams) at 4 rows too: cold, 2 threads, paired in-process rounds, the 0.5B shape's products
+# 1.27-1.39x, the 50M Llama's 0.90-1.06x (at 3 rows 1.06x / 0.95x, at 5-12 rows panels
+# 1.06-1.86x); batch-4 decode end to end (the same switch between requests of one engine)
+# 0.5B shape 1.18x, 50M Llama 0.98x. Per CPU vendor, on AVX-512.
+PANEL_MIN_ROWS_BY_VENDOR = {"AuthenticAMD": 4}
 AVX2_PANEL_MIN_ROWS = 10
 PANEL_MAX_ROWS = 64
 # The panel kernel's software prefetch distance, in cache lines of each panel ahead (one line =
@@ -334,12 +340,13 @@ def _max_rows(dtype: torch.dtype) -> int:
 
 def panel_rows() -> tuple[int, int]:
     """(fewest, most) rows of the float32 products that take the panel kernel when the weight
-    has a panel copy (prepacked, -O2/-O3): from PANEL_MIN_ROWS on AVX-512, AVX2_PANEL_MIN_ROWS
+    has a panel copy (prepacked, -O2/-O3): on AVX-512 from PANEL_MIN_ROWS (or the CPU vendor's
+    PANEL_MIN_ROWS_BY_VENDOR), AVX2_PANEL_MIN_ROWS
     on AVX2, else from the first row count the small-M kernel does not take; up to
     PANEL_MAX_ROWS."""
     isa = torch.ops.vllm_cpu_linear.isa()
     if isa.startswith("avx512"):
-        return PANEL_MIN_ROWS, PANEL_MAX_ROWS
+        return PANEL_MIN_ROWS_BY_VENDOR.get(cpu_vendor(), PANEL_MIN_ROWS), PANEL_MAX_ROWS
     if isa == "avx2":
         return AVX2_PANEL_MIN_ROWS, PANEL_MAX_ROWS
     return _max_rows(torch.float32) + 1, PANEL_MAX_ROWS

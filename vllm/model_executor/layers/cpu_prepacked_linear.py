@@ -25,10 +25,10 @@ cached like any other:
     to ready instead of 4.6 s). Steady-state measurements call `wait_for_prepacking()` first;
   - compiled models call the dispatcher op `vllm_cpu_linear::linear` (layers/cpu_linear.py,
     `cpu_linear_op`) for every float32 CPU linear, prepacked or not. It computes with the panel
-    copy for products of `cpu_linear.panel_rows()` rows (5..64 on AVX-512); fewer rows take the
-    small-M kernel on the plain weight (it streams the weight faster), more rows oneDNN on the
-    plain weight, and so does a weight without a current copy (never prepacked, or changed in
-    place since).
+    copy for products of `cpu_linear.panel_rows()` rows (5..64 on AVX-512, 4..64 on AMD's);
+    fewer rows take the small-M kernel on the plain weight (it streams the weight faster), more
+    rows oneDNN on the plain weight, and so does a weight without a current copy (never
+    prepacked, or changed in place since).
 `compilation_config.prepack_linear_weights` (the CPU at -O2/-O3) prepacks the decoder's linears
 and the LM head (ParallelLMHead, applied eagerly through `dispatch_linear`): float32 weights,
 and bfloat16 ones where the build packs bfloat16 panels (AVX2, where bfloat16 has no fast
