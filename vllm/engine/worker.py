@@ -87,13 +87,14 @@ def determine_num_blocks(vllm_config: VllmConfig, block_bytes: int,
 def available_cpu_memory() -> int | None:
     """Bytes the kernel could give this process now without killing anything: MemAvailable
     plus SwapFree of /proc/meminfo; None where that cannot be read (not Linux)."""
+    from vllm.utils.cpu_threads import read_text_or_none
+
     fields = {}
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                fields[name] = int(rest.split()[0]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
+        for line in (read_text_or_none("/proc/meminfo") or "").splitlines():
+            name, _, rest = line.partition(":")
+            fields[name] = int(rest.split()[0]) * 1024  # kB
+    except (ValueError, IndexError):
         return None
     if "MemAvailable" not in fields:
         return None

@@ -341,9 +341,8 @@ def _max_rows(dtype: torch.dtype) -> int:
 def panel_rows() -> tuple[int, int]:
     """(fewest, most) rows of the float32 products that take the panel kernel when the weight
     has a panel copy (prepacked, -O2/-O3): on AVX-512 from PANEL_MIN_ROWS (or the CPU vendor's
-    PANEL_MIN_ROWS_BY_VENDOR), AVX2_PANEL_MIN_ROWS
-    on AVX2, else from the first row count the small-M kernel does not take; up to
-    PANEL_MAX_ROWS."""
+    PANEL_MIN_ROWS_BY_VENDOR), on AVX2 from AVX2_PANEL_MIN_ROWS, else from the first row count
+    the small-M kernel does not take; up to PANEL_MAX_ROWS."""
     isa = torch.ops.vllm_cpu_linear.isa()
     if isa.startswith("avx512"):
         return PANEL_MIN_ROWS_BY_VENDOR.get(cpu_vendor(), PANEL_MIN_ROWS), PANEL_MAX_ROWS
