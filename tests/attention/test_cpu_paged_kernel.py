@@ -96,6 +96,33 @@ def test_kernel_decode_rows_long_contexts(dtype, heads, kv_heads, head_size):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(8, 8, 64), (14, 2, 64), (4, 2, 128),
+                                                      (2, 2, 32)])
+@pytest.mark.parametrize("n_requests", [1, 2, 3, 16])
+@pytest.mark.parametrize("window,cap", [(None, None), (40, None), (None, 30.0)])
+def test_kernel_decode_batches_in_both_read_orders(dtype, heads, kv_heads, head_size,
+                                                   n_requests, window, cap):
+    """Decode batches of every size on two threads: one or two requests give work items of
+    some of the KV heads (read head by head), more give items of whole position rows, which
+    the two-pass path reads position by position (cache order). Both match the reference,
+    with a sliding window and with logits soft-capping too."""
+    lengths = [(37 * i) % 211 + 1 for i in range(n_requests)]
+    query, cache, table, seq_lens, starts = make_batch([(n, 1) for n in lengths], heads,
+                                                       kv_heads, head_size, 16, dtype,
+                                                       seed=n_requests)
+    reqs = torch.arange(n_requests)
+    out = torch.full(query.shape, 7.0, dtype=dtype)
+    ref = torch.zeros(query.shape, dtype=dtype)
+    on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125, out,
+                   window, cap)
+    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref,
+                              window, cap)
+    assert not out.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
 def test_kernel_leaves_unlisted_requests_alone():
     requests = [(3, 1), (0, 5), (6, 1), (4, 2)]
     query, cache, table, seq_lens, starts = make_batch(requests, 4, 2, 16, 4, torch.float32)
