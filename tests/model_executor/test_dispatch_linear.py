@@ -514,6 +514,70 @@ def test_every_stream_count_computes_the_product(dtype):
         torch.set_num_threads(threads)
 
 
+def test_nt_loads_default_per_vendor_and_env(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_LINEAR_NT_LOADS", raising=False)
+    for vendor, expected in (("AuthenticAMD", True), ("GenuineIntel", False), ("", False)):
+        monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda v=vendor: v)
+        assert cpu_linear.nt_loads() is expected
+    for raw, expected in (("1", True), ("0", False), (" 1 ", True), ("", False)):
+        monkeypatch.setenv("VLLM_CPU_LINEAR_NT_LOADS", raw)
+        assert cpu_linear.nt_loads() is expected
+    for bad in ("2", "yes", "-1", "true"):
+        monkeypatch.setenv("VLLM_CPU_LINEAR_NT_LOADS", bad)
+        with pytest.raises(ValueError, match=f"VLLM_CPU_LINEAR_NT_LOADS.*1.*0.*{bad!r}"):
+            cpu_linear.nt_loads()
+
+
+@pytest.mark.skipif(not cpu_linear.small_m_linear_available(),
+                    reason="the C++ linear dispatcher could not be built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_temporal_weight_loads_give_the_same_products(dtype):
+    """Non-temporal weight loads (AVX-512 builds: aligned vectors only) read the same values:
+    the small-M kernel (every stream count, 1-4 rows) and the panel kernel (4-16 rows) give
+    bit-identical results either way, on an aligned weight and on one that starts 4 bytes off
+    a vector boundary (plain loads there), which must not fault."""
+    from vllm.model_executor.layers.cpu_prepacked_linear import prepack
+
+    op = torch.ops.vllm_cpu_linear
+    assert op.nt_loads() == int(cpu_linear.nt_loads())  # what the first load set
+    torch.manual_seed(0)
+    storage = torch.randn(300 * 544 + 16).to(dtype)
+    aligned = storage[:300 * 544].view(300, 544)
+    off = 4 // storage.element_size()
+    shifted = storage[off:off + 300 * 544].view(300, 544)
+    assert aligned.data_ptr() % 64 == 0 and shifted.data_ptr() % 64 == 4
+    before, streams = op.nt_loads(), op.streams()
+    try:
+        for w in (aligned, shifted):
+            for rows in (1, 2, 3, 4):
+                x = torch.randn(rows, 544).to(dtype)
+                for n_streams in (1, 2, 8):
+                    op.streams(n_streams)
+                    results = []
+                    for nt in (0, 1):
+                        assert op.nt_loads(nt) == nt
+                        results.append(op.small_m_linear(x, w, None))
+                    assert torch.equal(results[0], results[1]), (rows, n_streams)
+                    ref = (x.double() @ w.double().t()).to(dtype).float()
+                    tol = ({"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16
+                           else {"rtol": 1e-4, "atol": 1e-3})
+                    torch.testing.assert_close(results[1].float(), ref, **tol)
+        if dtype == torch.float32:
+            w = aligned.clone()  # (its panel copy goes with it)
+            assert prepack(w)
+            for rows in (4, 8, 9, 16):
+                x = torch.randn(rows, 544)
+                results = []
+                for nt in (0, 1):
+                    op.nt_loads(nt)
+                    results.append(op.linear(x, w, None))
+                assert torch.equal(results[0], results[1]), rows
+                torch.testing.assert_close(results[1], x @ w.t(), rtol=1e-4, atol=1e-3)
+    finally:
+        op.nt_loads(before)
+        op.streams(streams)
+
+
 def test_panel_rows_follow_the_isa(monkeypatch):
     """Products with a panel copy take the panel kernel from 5 rows on AVX-512 (4 on AMD) and
     10 on AVX2 (where it measured faster than the small-M kernel, which AVX2 otherwise runs up to 16

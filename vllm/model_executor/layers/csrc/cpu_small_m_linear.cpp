@@ -126,6 +126,26 @@ inline vf load(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+// One vector of weight bytes (kVecBytes from p). AVX-512 builds read it with a non-temporal
+// load (vmovntdqa) where g_nt_loads is set and p is 64-byte aligned (the instruction's rule;
+// other addresses take a plain load). Set from Python per CPU vendor (`nt_loads` op;
+// cpu_linear.py says what was measured where; the AVX2 build's 32-byte vmovntdqa measured no
+// faster end to end on a Zen 4, 0.997-1.014x, so it keeps plain loads).
+bool g_nt_loads = false;
+template <typename V = vf>
+inline V load_weight(const void* p) {
+  static_assert(sizeof(V) == kVecBytes, "one vector");
+  V v;
+#if defined(__AVX512F__)
+  if (g_nt_loads && (reinterpret_cast<uintptr_t>(p) & 63) == 0) {
+    const __m512i raw = _mm512_stream_load_si512(const_cast<void*>(p));
+    std::memcpy(&v, &raw, sizeof(v));
+    return v;
+  }
+#endif
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
 // 2 * kLanes weight elements from p as two float vectors (a, b), matched by x's float buffer
 // (run_widen) at the same offsets p - w, p - w + kLanes:
 // - float32: p[0, kLanes) and p[kLanes, 2 kLanes), x stored as is;
@@ -136,12 +156,11 @@ inline vf load(const float* p) {
 //   cross-lane shuffle per vector: vpmovzxwd, which AVX2 CPUs run on one port; on AVX-512
 //   a vpmovzxwd of 16 elements to zmm measured no faster, per unit of bandwidth.)
 inline void load2(const float* p, vf& a, vf& b) {
-  a = load(p);
-  b = load(p + kLanes);
+  a = load_weight(p);
+  b = load_weight(p + kLanes);
 }
 inline void load2(const c10::BFloat16* p, vf& a, vf& b) {
-  vu32 raw;
-  std::memcpy(&raw, p, sizeof(raw));
+  const vu32 raw = load_weight<vu32>(p);
   const vu32 even = raw << 16;
   const vu32 odd = raw & 0xffff0000u;
   std::memcpy(&a, &even, sizeof(a));
@@ -327,14 +346,14 @@ struct Bf16Dot {
           for (int u = 0; u < U; ++u) __builtin_prefetch(ahead + u * kLineBytes);
         }
         for (int u = 0; u < U; ++u) {
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + u * kStep);
+          const __m512bh wv = load_weight<__m512bh>(w + k + u * kStep);
           for (int j = 0; j < MR; ++j)
             a[u][j] = _mm512_dpbf16_ps(
                 a[u][j], wv, (__m512bh)_mm512_loadu_si512(x + j * x_stride + k + u * kStep));
         }
       }
       for (; k < k1; k += kStep) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        const __m512bh wv = load_weight<__m512bh>(w + k);
         for (int j = 0; j < MR; ++j)
           a[0][j] = _mm512_dpbf16_ps(a[0][j], wv,
                                      (__m512bh)_mm512_loadu_si512(x + j * x_stride + k));
@@ -354,7 +373,7 @@ struct Bf16Dot {
       for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * x_stride + k);
       for (int i = 0; i < NR; ++i) {
         if (prefetch) __builtin_prefetch(prefetch_at<NR>(w, K, rs, i, k));
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * rs + k);
+        const __m512bh wv = load_weight<__m512bh>(w + i * rs + k);
         for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
       }
     }
@@ -838,6 +857,11 @@ int64_t prefetch_bytes(int64_t bytes) {
   return g_prefetch_bytes;
 }
 
+int64_t nt_loads(int64_t v) {
+  if (v >= 0) g_nt_loads = v > 0;
+  return g_nt_loads;
+}
+
 // Fewest x rows of a bfloat16 product for the dot-product loop (>= 1; a smaller value only
 // reads it). Returns the count in force. (Builds without AVX512-BF16 always widen.)
 int64_t bf16_dot_min_rows(int64_t rows) {
@@ -942,6 +966,7 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
         "int aten_min_rows=0, int bf16_panel_min_rows=0, int bf16_panel_max_rows=0) -> ()",
         &configure);
   m.def("prefetch_bytes(int bytes=-1) -> int", &prefetch_bytes);
+  m.def("nt_loads(int v=-1) -> int", &nt_loads);
   m.def("streams(int n=-1) -> int", &streams);
   m.def("bf16_dot_min_rows(int rows=-1) -> int", &bf16_dot_min_rows);
   m.def("set_packed(Tensor weight, Tensor packed, bool huge_pages=False) -> int", &set_packed);
