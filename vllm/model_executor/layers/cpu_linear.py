@@ -251,8 +251,9 @@ def prefetch_bytes() -> int:
                              "no software prefetch", default)
 
 
-# Non-temporal weight loads (vmovntdqa, AVX-512 builds) in the small-M kernel and the float32
-# panel kernel (up to 8 rows there: csrc kPanelNtMaxRows), per CPU vendor. On the Zen 4 dev
+# Non-temporal weight loads (vmovntdqa, AVX-512 builds) in the small-M kernel, per CPU vendor
+# (the float32 panel kernel keeps plain loads: 4-8 rows measured 0.99-1.10x with them, and the
+# extra branch in its 16-row tile made batch-16 decode steps 1.7x slower). On the Zen 4 dev
 # machine the lines such a load brings in displace less of what L2 and L3 hold: a 2-8 MB
 # working set read again after a 100 MB stream came back at ~40 GB/s instead of ~20 (one
 # thread), the stream itself no slower. The decode step's other work (attention over the KV

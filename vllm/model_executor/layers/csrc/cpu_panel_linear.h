@@ -54,11 +54,6 @@ constexpr int kPanelTileP = 1;
 constexpr int kPanelWideTileM = 0;  // (none)
 #endif
 constexpr int64_t kPanelKBlock = 256;
-// Most rows of x for which float32 panels are read with non-temporal loads where g_nt_loads
-// is set (`load_weight`): Zen 4, 2 threads, cold, paired against plain loads: the 50M Llama's
-// products and the 0.5B shape's at 4 rows 1.10x / 1.11x, 8 rows 1.00x / 1.01x, 16 rows
-// 0.98x / 0.97x (compute bound there).
-constexpr int64_t kPanelNtMaxRows = 8;
 constexpr int64_t kPanelChunkRows = 64;
 // (k steps of each panel ahead: a float32 step is one cache line, a bfloat16 one half a line)
 int64_t g_panel_prefetch_lines = 32;  // cpu_linear.py sets its PANEL_PREFETCH_LINES at load
@@ -88,12 +83,11 @@ constexpr bool kBf16Panels =
 
 bool bf16_panels() { return kBf16Panels; }
 
-// One k step of a panel, the 16 columns as kPanelVecs float vectors (nt: float32 lines read
-// with non-temporal loads, `load_weight`).
+// One k step of a panel, the 16 columns as kPanelVecs float vectors.
 template <typename T>
-inline void panel_line(const T* p, vf* out, bool nt) {
+inline void panel_line(const T* p, vf* out) {
   if constexpr (std::is_same_v<T, float>) {
-    for (int v = 0; v < kPanelVecs; ++v) out[v] = nt ? load_weight(p + v * kLanes) : load(p + v * kLanes);
+    for (int v = 0; v < kPanelVecs; ++v) out[v] = load(p + v * kLanes);
   } else {
 #if defined(VLLM_BF16_PANELS)
     widen_panel_line(p, out);
@@ -158,8 +152,7 @@ at::Tensor pack_panels(const at::Tensor& weight) {
 // first: start from the bias (or zero) instead of y.
 template <int MR, int NP, bool kPrefetch, typename T>
 inline void panel_tile(const T* w, int64_t K, const float* xt, int64_t k0, int64_t k1,
-                       float* y, int64_t ys, int64_t ncols, const float* bias, bool first,
-                       bool nt) {
+                       float* y, int64_t ys, int64_t ncols, const float* bias, bool first) {
   constexpr int V = NP * kPanelVecs;
   vf acc[MR][V];
   auto partial_load = [&](const float* src, int64_t c) {
@@ -183,7 +176,7 @@ inline void panel_tile(const T* w, int64_t K, const float* xt, int64_t k0, int64
     if constexpr (kPrefetch)
       for (int p = 0; p < NP; ++p) __builtin_prefetch(wk + p * panel_stride + ahead);
     vf wv[V];
-    for (int p = 0; p < NP; ++p) panel_line(wk + p * panel_stride, wv + p * kPanelVecs, nt);
+    for (int p = 0; p < NP; ++p) panel_line(wk + p * panel_stride, wv + p * kPanelVecs);
     const float* xk = xt + k * MR;
     for (int r = 0; r < MR; ++r) {
       const float xv = xk[r];
@@ -209,15 +202,14 @@ inline void panel_tile(const T* w, int64_t K, const float* xt, int64_t k0, int64
 template <int MR, int NP, typename T>
 inline void panel_tile_rows(int rows, const T* w, int64_t K, const float* xt, int64_t k0,
                             int64_t k1, float* y, int64_t ys, int64_t ncols, const float* bias,
-                            bool first, bool prefetch, bool nt) {
+                            bool first, bool prefetch) {
   if constexpr (MR > 0) {
     if (rows == MR) {
       if (prefetch)
-        return panel_tile<MR, NP, true, T>(w, K, xt, k0, k1, y, ys, ncols, bias, first, nt);
-      return panel_tile<MR, NP, false, T>(w, K, xt, k0, k1, y, ys, ncols, bias, first, nt);
+        return panel_tile<MR, NP, true, T>(w, K, xt, k0, k1, y, ys, ncols, bias, first);
+      return panel_tile<MR, NP, false, T>(w, K, xt, k0, k1, y, ys, ncols, bias, first);
     }
-    panel_tile_rows<MR - 1, NP, T>(rows, w, K, xt, k0, k1, y, ys, ncols, bias, first, prefetch,
-                                   nt);
+    panel_tile_rows<MR - 1, NP, T>(rows, w, K, xt, k0, k1, y, ys, ncols, bias, first, prefetch);
   }
 }
 
@@ -279,7 +271,6 @@ void panel_product(const at::Tensor& x, const at::Tensor& panels, int64_t N, con
                    float* yp) {
   const int64_t M = x.size(0), K = x.size(1);
   const bool wide = kPanelWideTileM > 0 && M > kPanelTileM && M <= kPanelWideTileM;
-  const bool nt = g_nt_loads && M <= kPanelNtMaxRows;
   const int64_t tile_m = wide ? kPanelWideTileM : kPanelTileM;
   at::Tensor tiles = at::empty({M * K}, x.options().dtype(at::kFloat));
   float* xt = tiles.data_ptr<float>();
@@ -299,7 +290,7 @@ void panel_product(const at::Tensor& x, const at::Tensor& panels, int64_t N, con
             panel_tile_rows<kPanelWideTileM, 1, T>(
                 static_cast<int>(M), wp + p * K * kPanel, K, xt, k0, std::min(K, k0 + kPanelKBlock),
                 yp + c0, N, std::min(N - c0, kPanel), bp ? bp + c0 : nullptr, k0 == 0,
-                g_panel_prefetch_lines > 0, nt);
+                g_panel_prefetch_lines > 0);
         }
         return;
       }
@@ -327,11 +318,10 @@ void panel_product(const at::Tensor& x, const at::Tensor& panels, int64_t N, con
               if (np == kPanelTileP)
                 panel_tile_rows<kPanelTileM, kPanelTileP, T>(
                     rows, w, K, xr, k0, k1, yr, N, std::min(N - c0, kPanelTileP * kPanel), b,
-                    k0 == 0, prefetch, nt);
+                    k0 == 0, prefetch);
               else
                 panel_tile_rows<kPanelTileM, 1, T>(rows, w, K, xr, k0, k1, yr, N,
-                                                std::min(N - c0, kPanel), b, k0 == 0, prefetch,
-                                                nt);
+                                                std::min(N - c0, kPanel), b, k0 == 0, prefetch);
             }
           }
         }
