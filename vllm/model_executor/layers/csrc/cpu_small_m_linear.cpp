@@ -126,18 +126,18 @@ inline vf load(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-// One vector of weight bytes (kVecBytes from p). AVX-512 builds read it with a non-temporal
-// load (vmovntdqa) where g_nt_loads is set and p is 64-byte aligned (the instruction's rule;
-// other addresses take a plain load). Set from Python per CPU vendor (`nt_loads` op;
-// cpu_linear.py says what was measured where; the AVX2 build's 32-byte vmovntdqa measured no
-// faster end to end on a Zen 4, 0.997-1.014x, so it keeps plain loads).
+// Whether the widening loop reads weights with non-temporal loads (vmovntdqa, AVX-512 builds,
+// weights whose rows start on 64-byte boundaries), set from Python per CPU vendor (`nt_loads`
+// op; cpu_linear.py says what was measured where).
 bool g_nt_loads = false;
-template <typename V = vf>
+// One vector of weight bytes from p; kNt: a non-temporal load (p 64-byte aligned: the caller
+// checks).
+template <bool kNt, typename V>
 inline V load_weight(const void* p) {
-  static_assert(sizeof(V) == kVecBytes, "one vector");
   V v;
 #if defined(__AVX512F__)
-  if (g_nt_loads && (reinterpret_cast<uintptr_t>(p) & 63) == 0) {
+  if constexpr (kNt) {
+    static_assert(sizeof(V) == 64, "one AVX-512 vector");
     const __m512i raw = _mm512_stream_load_si512(const_cast<void*>(p));
     std::memcpy(&v, &raw, sizeof(v));
     return v;
@@ -155,12 +155,14 @@ inline V load_weight(const void* p) {
 //   2 * kLanes elements in that order, evens then odds. (Widening in element order takes a
 //   cross-lane shuffle per vector: vpmovzxwd, which AVX2 CPUs run on one port; on AVX-512
 //   a vpmovzxwd of 16 elements to zmm measured no faster, per unit of bandwidth.)
+template <bool kNt = false>
 inline void load2(const float* p, vf& a, vf& b) {
-  a = load_weight(p);
-  b = load_weight(p + kLanes);
+  a = load_weight<kNt, vf>(p);
+  b = load_weight<kNt, vf>(p + kLanes);
 }
+template <bool kNt = false>
 inline void load2(const c10::BFloat16* p, vf& a, vf& b) {
-  const vu32 raw = load_weight<vu32>(p);
+  const vu32 raw = load_weight<kNt, vu32>(p);
   const vu32 even = raw << 16;
   const vu32 odd = raw & 0xffff0000u;
   std::memcpy(&a, &even, sizeof(a));
@@ -196,8 +198,8 @@ inline const T* prefetch_at(const T* w, int64_t K, int64_t rs, int i, int64_t k)
 }
 
 // Widening loop: x is float, the weight float or bfloat16; 2 * kLanes elements per step
-// (load2).
-template <typename T>
+// (load2; kNt: non-temporal loads, every weight row 64-byte aligned).
+template <typename T, bool kNt = false>
 struct Widen {
   using XT = float;
   static constexpr int64_t kStep = 2 * kLanes;
@@ -229,14 +231,14 @@ struct Widen {
         }
         for (int u = 0; u < kPairs; ++u) {
           vf p, q;
-          load2(w + k + u * kStep, p, q);
+          load2<kNt>(w + k + u * kStep, p, q);
           a[(2 * u) % kAcc] += p * load(x + k + u * kStep);
           a[(2 * u + 1) % kAcc] += q * load(x + k + u * kStep + kLanes);
         }
       }
       for (; k < k1; k += kStep) {
         vf p, q;
-        load2(w + k, p, q);
+        load2<kNt>(w + k, p, q);
         a[0] += p * load(x + k);
         a[1] += q * load(x + k + kLanes);
       }
@@ -274,7 +276,7 @@ struct Widen {
           }
         } else {  // one load widens into both halves
           vf wv[NR][2];
-          for (int i = 0; i < NR; ++i) load2(w + i * rs + k, wv[i][0], wv[i][1]);
+          for (int i = 0; i < NR; ++i) load2<kNt>(w + i * rs + k, wv[i][0], wv[i][1]);
           for (int h = 0; h < 2; ++h)
             for (int j = 0; j < MR; ++j) {
               const vf xv = load(x + j * x_stride + k + h * kLanes);
@@ -304,7 +306,7 @@ struct Widen {
           for (int l = 0; l < kLinesPerStep; ++l) __builtin_prefetch(ahead + l * kLineBytes);
         }
         vf p, q;
-        load2(w + i * rs + k, p, q);
+        load2<kNt>(w + i * rs + k, p, q);
         for (int j = 0; j < MR; ++j) {
           acc[0][i][j] += p * x0[j];
           acc[kSplit - 1][i][j] += q * x1[j];
@@ -346,14 +348,14 @@ struct Bf16Dot {
           for (int u = 0; u < U; ++u) __builtin_prefetch(ahead + u * kLineBytes);
         }
         for (int u = 0; u < U; ++u) {
-          const __m512bh wv = load_weight<__m512bh>(w + k + u * kStep);
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + u * kStep);
           for (int j = 0; j < MR; ++j)
             a[u][j] = _mm512_dpbf16_ps(
                 a[u][j], wv, (__m512bh)_mm512_loadu_si512(x + j * x_stride + k + u * kStep));
         }
       }
       for (; k < k1; k += kStep) {
-        const __m512bh wv = load_weight<__m512bh>(w + k);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
         for (int j = 0; j < MR; ++j)
           a[0][j] = _mm512_dpbf16_ps(a[0][j], wv,
                                      (__m512bh)_mm512_loadu_si512(x + j * x_stride + k));
@@ -373,7 +375,7 @@ struct Bf16Dot {
       for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * x_stride + k);
       for (int i = 0; i < NR; ++i) {
         if (prefetch) __builtin_prefetch(prefetch_at<NR>(w, K, rs, i, k));
-        const __m512bh wv = load_weight<__m512bh>(w + i * rs + k);
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * rs + k);
         for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
       }
     }
@@ -568,8 +570,13 @@ void run_widen(const at::Tensor& x, const at::Tensor& weight, const T* bp, at::T
       }
     for (int64_t k = k_vec; k < K; ++k) dst[k] = scalar(src[k]);
   }
-  run<Widen<T>>(xf, xs, M, K, weight.data_ptr<T>(), weight.size(0), bp,
-                out.data_ptr<T>(), out.stride(0));
+  const T* wp = weight.data_ptr<T>();
+  const bool nt = kVecBytes == 64 && g_nt_loads && reinterpret_cast<uintptr_t>(wp) % 64 == 0 &&
+                  K * static_cast<int64_t>(sizeof(T)) % 64 == 0;
+  if (nt)
+    run<Widen<T, true>>(xf, xs, M, K, wp, weight.size(0), bp, out.data_ptr<T>(), out.stride(0));
+  else
+    run<Widen<T>>(xf, xs, M, K, wp, weight.size(0), bp, out.data_ptr<T>(), out.stride(0));
 }
 
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
