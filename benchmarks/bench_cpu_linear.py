@@ -29,6 +29,8 @@ shows the noise floor: on the loaded 2-core dev machine identical workers differ
     python benchmarks/bench_cpu_linear.py --prepacked --dtype float32 --rows 8 16 32 64
     python benchmarks/bench_cpu_linear.py --prepacked --dtype float32 --isa avx512_bf16 \
         --panel-prefetch 8 32 --rows 5 16 32   # the panel kernel's prefetch distance
+    python benchmarks/bench_cpu_linear.py --nt-loads 0 1 --dtype float32 --rows 1 2 3
+        # plain against non-temporal weight loads (VLLM_CPU_LINEAR_NT_LOADS)
 
 `--compare-source old.cpp` adds, for every level, a worker whose kernels are built from another
 version of csrc/cpu_small_m_linear.cpp (e.g. `git show HEAD~1:<path> > old.cpp`), and a column
@@ -122,12 +124,14 @@ def worker(args: argparse.Namespace) -> None:
 class Worker:
     def __init__(self, isa: str, args: argparse.Namespace, dtype: str,
                  source: str | None = None, streams: int | None = None,
-                 panel_prefetch: int | None = None) -> None:
+                 panel_prefetch: int | None = None, nt_loads: int | None = None) -> None:
         env = dict(os.environ, VLLM_CPU_ISA=isa)
         if streams:
             env["VLLM_CPU_LINEAR_STREAMS"] = str(streams)
         if panel_prefetch is not None:
             env["VLLM_CPU_PANEL_PREFETCH_LINES"] = str(panel_prefetch)
+        if nt_loads is not None:
+            env["VLLM_CPU_LINEAR_NT_LOADS"] = str(nt_loads)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shape", args.shape,
                "--threads", str(args.threads), "--dtype", dtype]
         if args.prepacked:
@@ -137,6 +141,7 @@ class Worker:
         self.isa = isa
         self.label = isa + (f" s{streams}" if streams else "") + (
             f" pf{panel_prefetch}" if panel_prefetch is not None else "") + (
+            f" nt{nt_loads}" if nt_loads is not None else "") + (
             f" ({os.path.basename(source)})" if source else "")
         self.twin: Worker | None = None  # the same level built from --compare-source
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -173,12 +178,13 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> tuple[list[dict], float]:
         for isa in args.isa:  # one at a time: their builds and weights do not overlap
             for streams in args.streams or [None]:
                 for lines in args.panel_prefetch or [None]:
-                    workers.append(Worker(isa, args, dtype, streams=streams,
-                                          panel_prefetch=lines))
-                    if args.compare_source:
-                        workers.append(Worker(isa, args, dtype, args.compare_source, streams,
-                                              lines))
-                        workers[-2].twin = workers[-1]
+                    for nt in args.nt_loads or [None]:
+                        workers.append(Worker(isa, args, dtype, streams=streams,
+                                              panel_prefetch=lines, nt_loads=nt))
+                        if args.compare_source:
+                            workers.append(Worker(isa, args, dtype, args.compare_source,
+                                                  streams, lines, nt))
+                            workers[-2].twin = workers[-1]
         nbytes = workers[0].nbytes
         results = []
         for rows in args.rows:
@@ -248,6 +254,10 @@ def main() -> None:
                         help="with --prepacked: the panel kernel's prefetch distances to compare "
                              "(VLLM_CPU_PANEL_PREFETCH_LINES, cache lines ahead), one worker "
                              "per level and distance; default: the built-in distance only")
+    parser.add_argument("--nt-loads", type=int, nargs="+", default=None, choices=[0, 1],
+                        help="plain (0) and/or non-temporal (1) weight loads to compare "
+                             "(VLLM_CPU_LINEAR_NT_LOADS), one worker per level and setting; "
+                             "default: the CPU's default only")
     parser.add_argument("--compare-source", default=None,
                         help="another cpu_small_m_linear.cpp to build and compare at each level")
     parser.add_argument("--prepacked", action="store_true",
@@ -285,7 +295,7 @@ def main() -> None:
             "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__,
             "cpu_best_isa": best_isa_level(), "isa": args.isa,
             "compare_source": args.compare_source, "streams": args.streams,
-            "panel_prefetch": args.panel_prefetch,
+            "panel_prefetch": args.panel_prefetch, "nt_loads": args.nt_loads,
             "prepacked": args.prepacked, "reference": reference_name(args)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

@@ -127,9 +127,12 @@ inline vf load(const float* p) {
   return v;
 }
 // Whether the widening loop reads weights with non-temporal loads (vmovntdqa, AVX-512 builds,
-// weights whose rows start on 64-byte boundaries), set from Python per CPU vendor (`nt_loads`
+// one row of x, weights whose rows start on 64-byte boundaries), set from Python per CPU vendor (`nt_loads`
 // op; cpu_linear.py says what was measured where).
 bool g_nt_loads = false;
+// Most rows of x for them: on the Zen 4 dev machine batch-3 decode of the 50M Llama measured
+// 0.92x end to end with them (paired), the products of 2-3 rows 0.85x alone.
+constexpr int64_t kNtMaxRows = 1;
 // One vector of weight bytes from p; kNt: a non-temporal load (p 64-byte aligned: the caller
 // checks).
 template <bool kNt, typename V>
@@ -571,7 +574,8 @@ void run_widen(const at::Tensor& x, const at::Tensor& weight, const T* bp, at::T
     for (int64_t k = k_vec; k < K; ++k) dst[k] = scalar(src[k]);
   }
   const T* wp = weight.data_ptr<T>();
-  const bool nt = kVecBytes == 64 && g_nt_loads && reinterpret_cast<uintptr_t>(wp) % 64 == 0 &&
+  const bool nt = kVecBytes == 64 && g_nt_loads && M <= kNtMaxRows &&
+                  reinterpret_cast<uintptr_t>(wp) % 64 == 0 &&
                   K * static_cast<int64_t>(sizeof(T)) % 64 == 0;
   if (nt)
     run<Widen<T, true>>(xf, xs, M, K, wp, weight.size(0), bp, out.data_ptr<T>(), out.stride(0));
