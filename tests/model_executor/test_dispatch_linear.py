@@ -519,9 +519,12 @@ def test_nt_loads_default_per_vendor_and_env(monkeypatch):
     for vendor, expected in (("AuthenticAMD", True), ("GenuineIntel", False), ("", False)):
         monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda v=vendor: v)
         assert cpu_linear.nt_loads() is expected
-    for raw, expected in (("1", True), ("0", False), (" 1 ", True), ("", False)):
+    for raw, expected in (("1", True), ("0", False), (" 1 ", True)):
         monkeypatch.setenv("VLLM_CPU_LINEAR_NT_LOADS", raw)
         assert cpu_linear.nt_loads() is expected
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setenv("VLLM_CPU_LINEAR_NT_LOADS", "")  # empty: the vendor's default
+    assert cpu_linear.nt_loads() is True
     for bad in ("2", "yes", "-1", "true"):
         monkeypatch.setenv("VLLM_CPU_LINEAR_NT_LOADS", bad)
         with pytest.raises(ValueError, match=f"VLLM_CPU_LINEAR_NT_LOADS.*1.*0.*{bad!r}"):
@@ -532,10 +535,10 @@ def test_nt_loads_default_per_vendor_and_env(monkeypatch):
                     reason="the C++ linear dispatcher could not be built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_non_temporal_weight_loads_give_the_same_products(dtype):
-    """Non-temporal weight loads (AVX-512 builds: aligned vectors only) read the same values:
-    the small-M kernel (stream counts 1, 2 and 8, 1-4 rows) gives bit-identical results either
-    way, on an aligned weight and on one that starts 4 bytes off a vector boundary (plain loads
-    there), which must not fault."""
+    """Non-temporal weight loads (AVX-512 builds, one-row products, aligned weights only) read
+    the same values: the small-M kernel (stream counts 1, 2 and 8) gives bit-identical results
+    either way at one row, and at 2-4 rows (plain loads both ways), on an aligned weight and on
+    one that starts 4 bytes off a vector boundary (plain loads there), which must not fault."""
     op = torch.ops.vllm_cpu_linear
     assert op.nt_loads() == int(cpu_linear.nt_loads())  # what the first load set
     torch.manual_seed(0)

@@ -126,9 +126,9 @@ inline vf load(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-// Whether the widening loop reads weights with non-temporal loads (vmovntdqa, AVX-512 builds,
-// one row of x, weights whose rows start on 64-byte boundaries), set from Python per CPU vendor (`nt_loads`
-// op; cpu_linear.py says what was measured where).
+// Whether the widening loop reads weights with non-temporal loads (vmovntdqa; AVX-512 builds,
+// one row of x, weights whose rows start on 64-byte boundaries), set from Python per CPU vendor
+// (`nt_loads` op; cpu_linear.py says what was measured where).
 bool g_nt_loads = false;
 // Most rows of x for them: on the Zen 4 dev machine batch-3 decode of the 50M Llama measured
 // 0.92x end to end with them (paired), the products of 2-3 rows 0.85x alone.
@@ -868,6 +868,8 @@ int64_t prefetch_bytes(int64_t bytes) {
   return g_prefetch_bytes;
 }
 
+// Whether one-row widening products read weights with non-temporal loads: 1 yes, 0 no; a
+// negative value only reads it. Returns the setting in force.
 int64_t nt_loads(int64_t v) {
   if (v >= 0) g_nt_loads = v > 0;
   return g_nt_loads;
