@@ -570,16 +570,17 @@ def test_non_temporal_weight_loads_give_the_same_products(dtype):
 
 def test_panel_rows_follow_the_isa(monkeypatch):
     """Products with a panel copy take the panel kernel from 5 rows on AVX-512 (4 on AMD) and
-    10 on AVX2 (where it measured faster than the small-M kernel, which AVX2 otherwise runs up to 16
-    rows), elsewhere from the first row count the small-M kernel does not take; up to
+    10 on AVX2 (7 on AMD; where it measured faster than the small-M kernel, which AVX2 otherwise
+    runs up to 16 rows), elsewhere from the first row count the small-M kernel does not take; up to
     PANEL_MAX_ROWS, beyond which oneDNN on the plain weight is faster. The dispatcher is
     configured with the same range."""
     if not cpu_linear.small_m_linear_available():
         pytest.skip("the C++ linear dispatcher could not be built")
     assert (cpu_linear.PANEL_MIN_ROWS, cpu_linear.PANEL_MAX_ROWS) == (5, 64)
-    for vendor, avx512_min in (("GenuineIntel", 5), ("AuthenticAMD", 4), ("", 5)):
+    for vendor, avx512_min, avx2_min in (("GenuineIntel", 5, 10), ("AuthenticAMD", 4, 7),
+                                         ("", 5, 10)):
         monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda v=vendor: v)
-        for isa, rows in (("avx2", (10, 64)), ("avx512", (avx512_min, 64)),
+        for isa, rows in (("avx2", (avx2_min, 64)), ("avx512", (avx512_min, 64)),
                           ("avx512_bf16", (avx512_min, 64)), ("native", (5, 64))):
             monkeypatch.setattr(cpu_linear, "_max_rows_cache", {})
             monkeypatch.setattr(torch.ops.vllm_cpu_linear, "isa", lambda isa=isa: isa)

@@ -14,13 +14,14 @@ On the dev machines torch's CPU `F.linear` leaves speed on the table in two plac
   rows as a single stream, which made one-row products another 1.25-1.4x faster, and takes
   float32 products up to 16 rows on AVX2 and 12 on AVX-512 (the measured crossovers below);
   on Intel CPUs each thread reads several far-apart streams at once (`weight_streams`).
-- batched decode products (5..64 rows on AVX-512, 10..64 on AVX2) are bound by the FMAs' use
-  of loads more than by the weight's reads: -O2/-O3 keep a copy of each float32 weight in
-  column panels (16 output columns by K), which the panel kernel (csrc/cpu_panel_linear.h)
-  multiplies as outer products into tiles of rows x panels, 1.4-1.5x oneDNN's prepacked
-  products at 12-16 rows (`panel_rows`, PANEL_MIN_ROWS, AVX2_PANEL_MIN_ROWS). On AVX2 a
-  bfloat16 weight gets a bfloat16 panel copy, widened in registers: 4..128 rows 1.1-1.6x the
-  small-M kernel and the widened route (`bf16_packed_rows`). Where oneDNN has bfloat16 kernels
+- batched decode products (4-5..64 rows on AVX-512, 7-10..64 on AVX2, per CPU vendor) are
+  bound by the FMAs' use of loads more than by the weight's reads: -O2/-O3 keep a copy of
+  each float32 weight in column panels (16 output columns by K), which the panel kernel
+  (csrc/cpu_panel_linear.h) multiplies as outer products into tiles of rows x panels,
+  1.4-1.5x oneDNN's prepacked products at 12-16 rows (`panel_rows`, PANEL_MIN_ROWS,
+  AVX2_PANEL_MIN_ROWS and their per-vendor dicts). On AVX2 a bfloat16 weight gets a
+  bfloat16 panel copy, widened in registers: 4..128 rows 1.1-1.6x the small-M kernel and
+  the widened route (`bf16_packed_rows`). Where oneDNN has bfloat16 kernels
   (AVX512-BF16, AMX) a bfloat16 weight gets oneDNN's own reorder instead, which from 5 rows
   on beats the small-M kernel's dot products (1.4-1.8x at 5-32 rows on a Zen 4).
 
@@ -103,6 +104,11 @@ PANEL_MIN_ROWS = 5
 # 0.5B shape 1.18x, 50M Llama 0.98x. Per CPU vendor, on AVX-512.
 PANEL_MIN_ROWS_BY_VENDOR = {"AuthenticAMD": 4}
 AVX2_PANEL_MIN_ROWS = 10
+# The same Zen 4 run as AVX2 (VLLM_CPU_ISA=avx2), with the panels' next-block prefetch: panels
+# against the small-M kernel, cold, 2 threads, paired medians of 7, the 0.5B shape's products
+# (8 layers) / the 50M Llama's: 4 rows 1.09x / 0.76x, 5 1.17x / 0.90x, 6 1.32x / 0.80-0.97x,
+# 7 1.27x / 1.18x, 8 1.43x / 1.25-1.47x, 9 1.53x / 1.33x, 10 1.56x / 1.24x. Per CPU vendor on AVX2.
+AVX2_PANEL_MIN_ROWS_BY_VENDOR = {"AuthenticAMD": 7}
 PANEL_MAX_ROWS = 64
 # The panel kernel's software prefetch distance, in cache lines of each panel ahead (one line =
 # one k step of 16 columns; 0 = the hardware prefetchers alone). The 0.5B shape's 97 products
@@ -373,13 +379,14 @@ def _max_rows(dtype: torch.dtype) -> int:
 def panel_rows() -> tuple[int, int]:
     """(fewest, most) rows of the float32 products that take the panel kernel when the weight
     has a panel copy (prepacked, -O2/-O3): on AVX-512 from PANEL_MIN_ROWS (or the CPU vendor's
-    PANEL_MIN_ROWS_BY_VENDOR), on AVX2 from AVX2_PANEL_MIN_ROWS, else from the first row count
+    PANEL_MIN_ROWS_BY_VENDOR), on AVX2 from AVX2_PANEL_MIN_ROWS (or the vendor's
+    AVX2_PANEL_MIN_ROWS_BY_VENDOR), else from the first row count
     the small-M kernel does not take; up to PANEL_MAX_ROWS."""
     isa = torch.ops.vllm_cpu_linear.isa()
     if isa.startswith("avx512"):
         return PANEL_MIN_ROWS_BY_VENDOR.get(cpu_vendor(), PANEL_MIN_ROWS), PANEL_MAX_ROWS
     if isa == "avx2":
-        return AVX2_PANEL_MIN_ROWS, PANEL_MAX_ROWS
+        return AVX2_PANEL_MIN_ROWS_BY_VENDOR.get(cpu_vendor(), AVX2_PANEL_MIN_ROWS), PANEL_MAX_ROWS
     return _max_rows(torch.float32) + 1, PANEL_MAX_ROWS
 
 
