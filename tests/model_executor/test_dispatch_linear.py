@@ -535,10 +535,11 @@ def test_nt_loads_default_per_vendor_and_env(monkeypatch):
                     reason="the C++ linear dispatcher could not be built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_non_temporal_weight_loads_give_the_same_products(dtype):
-    """Non-temporal weight loads (AVX-512 builds, one-row products, aligned weights only) read
-    the same values: the small-M kernel (stream counts 1, 2 and 8) gives bit-identical results
-    either way at one row, and at 2-4 rows (plain loads both ways), on an aligned weight and on
-    one that starts 4 bytes off a vector boundary (plain loads there), which must not fault."""
+    """Non-temporal weight loads (AVX-512 builds, one-row products, aligned weights only: the
+    inner loop `small_m_loop` names) read the same values: the small-M kernel (stream counts
+    1, 2 and 8) gives bit-identical results either way at one row, and at 2-4 rows (plain
+    loads both ways), on an aligned weight and on one that starts 4 bytes off a vector
+    boundary (plain loads there), which must not fault."""
     op = torch.ops.vllm_cpu_linear
     assert op.nt_loads() == int(cpu_linear.nt_loads())  # what the first load set
     torch.manual_seed(0)
@@ -547,6 +548,16 @@ def test_non_temporal_weight_loads_give_the_same_products(dtype):
     off = 4 // storage.element_size()
     shifted = storage[off:off + 300 * 544].view(300, 544)
     assert aligned.data_ptr() % 64 == 0 and shifted.data_ptr() % 64 == 4
+
+    def expected_loop(rows, is_aligned, nt):  # the kernel's inner loop (`small_m_loop`)
+        if dtype == torch.bfloat16:
+            if op.has_bf16_dot() and rows >= op.bf16_dot_min_rows():
+                return "bf16_dot"
+            if op.isa() == "avx2" and rows <= 2:
+                return "split_bf16"
+        nt_ok = op.isa().startswith("avx512") and nt and rows == 1 and is_aligned
+        return "widen_nt" if nt_ok else "widen"
+
     before, streams = op.nt_loads(), op.streams()
     try:
         for w in (aligned, shifted):
@@ -558,6 +569,7 @@ def test_non_temporal_weight_loads_give_the_same_products(dtype):
                     for nt in (0, 1):
                         assert op.nt_loads(nt) == nt
                         results.append(op.small_m_linear(x, w, None))
+                        assert op.small_m_loop(x, w) == expected_loop(rows, w is aligned, nt)
                     assert torch.equal(results[0], results[1]), (rows, n_streams)
                     ref = (x.double() @ w.double().t()).to(dtype).float()
                     tol = ({"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16

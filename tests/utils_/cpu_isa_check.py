@@ -14,11 +14,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "attention"))
 
 
-def check_linear() -> int:
+def check_linear() -> tuple[int, dict[str, list[str]]]:
+    """The cases checked, and the small-M kernel's inner loops they took per dtype."""
     from vllm.model_executor.layers import cpu_linear
 
     assert cpu_linear.small_m_linear_available(), "the linear kernel did not build"
     cases = 0
+    loops: dict[str, set[str]] = {}
     gen = torch.Generator().manual_seed(0)
     # odd K and N: shorter than one vector step, odd steps, several K blocks; 3+ rows with a
     # large K take the tiled path (weight rows side by side)
@@ -33,11 +35,13 @@ def check_linear() -> int:
                 got = cpu_linear.small_m_linear(x, w, b)
                 torch.testing.assert_close(got.double(), want, atol=tol * math.sqrt(k),
                                            rtol=tol)
+                loop = torch.ops.vllm_cpu_linear.small_m_loop(x, w)
+                loops.setdefault(str(dtype).removeprefix("torch."), set()).add(loop)
                 got = torch.ops.vllm_cpu_linear.linear(x, w, b)  # the dispatcher's route
                 torch.testing.assert_close(got.double(), F.linear(x, w, b).double(),
                                            atol=tol * math.sqrt(k), rtol=tol)
                 cases += 1
-    return cases
+    return cases, {dtype: sorted(names) for dtype, names in loops.items()}
 
 
 def check_panels() -> int:
@@ -128,8 +132,9 @@ def check_sampling() -> int:
 def main() -> None:
     from vllm.utils.cpu_kernels import kernels_isa_level, loaded_isa_level
 
-    report = {"level": kernels_isa_level(), "linear_cases": check_linear(),
-              "panel_cases": check_panels(),
+    linear_cases, small_m_loops = check_linear()
+    report = {"level": kernels_isa_level(), "linear_cases": linear_cases,
+              "small_m_loops": small_m_loops, "panel_cases": check_panels(),
               "attention_cases": check_attention(), "sampling_cases": check_sampling()}
     report["built"] = {
         "small_m_linear": [loaded_isa_level("small_m_linear"), torch.ops.vllm_cpu_linear.isa()],

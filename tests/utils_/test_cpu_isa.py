@@ -133,9 +133,9 @@ def test_summary_line_names_the_cpu_kernels_level(cpu_platform, monkeypatch):
 @pytest.mark.parametrize("level", supported_isa_levels() or ["none"])
 def test_kernels_at_each_level_match_torch(level):
     """In a subprocess with VLLM_CPU_ISA=level: the linear (float32, bfloat16; 1..17 rows; odd
-    K and N), panel (float32; bfloat16 on AVX2; through the dispatcher too), paged-attention
-    and greedy-sampling kernels built at that level match torch, and
-    every library reports the level it was compiled for."""
+    K and N; each of the level's inner loops), panel (float32; bfloat16 on AVX2; through the
+    dispatcher too), paged-attention and greedy-sampling kernels built at that level match
+    torch, and every library reports the level it was compiled for."""
     if level == "none":
         pytest.skip("this CPU has none of the ISA levels")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_isa_check.py")
@@ -150,6 +150,20 @@ def test_kernels_at_each_level_match_torch(level):
     assert report["level"] == level
     assert report["built"] == {name: [level, level] for name in report["built"]}
     assert report["linear_cases"] == 5 * 2 * 17
+    # the small-M kernel's inner loops those cases went through: on AVX2 one or two rows of
+    # bfloat16 x split like the weight, more rows widened; the bfloat16 dot products where the
+    # CPU has them (from the vendor's bf16_dot_min_rows: widened below); non-temporal loads
+    # for one row on AVX-512 where the vendor's default turns them on (the cases' weights
+    # need not be 64-byte aligned: either loop)
+    loops = {dtype: set(names) for dtype, names in report["small_m_loops"].items()}
+    widen = {"widen", "widen_nt"}
+    assert "widen" in loops["float32"] and loops["float32"] <= widen, loops
+    if level == "avx2":
+        assert loops["bfloat16"] == {"split_bf16", "widen"}, loops
+    elif level == "avx512":
+        assert "widen" in loops["bfloat16"] and loops["bfloat16"] <= widen, loops
+    else:
+        assert "bf16_dot" in loops["bfloat16"] and loops["bfloat16"] <= widen | {"bf16_dot"}
     assert report["attention_cases"] == 9 and report["sampling_cases"] == 5
     assert report["bf16_dot"] == (level == "avx512_bf16")
     # float32 panels at every level, bfloat16 ones on AVX2: 3 shapes x 9 row counts each

@@ -3,6 +3,7 @@
 //   torch.ops.vllm_cpu_linear.small_m_linear(x [M, K], weight [N, K], bias [N] or None)
 //       -> y [M, N]
 //   torch.ops.vllm_cpu_linear.has_bf16_dot() -> bool, bf16_dot_min_rows(rows=-1) -> int
+//   torch.ops.vllm_cpu_linear.small_m_loop(x, weight) -> the inner loop small_m_linear takes
 //   torch.ops.vllm_cpu_linear.linear(x [..., K], weight [N, K], bias) -> [..., N]
 //       the dispatcher of every CPU linear (end of file): small-M kernel, the panel kernel
 //       on a prepacked weight (cpu_panel_linear.h), oneDNN, aten::linear; `configure`,
@@ -37,10 +38,12 @@
 //   four, once the row loop calls the kernel inlined (a call through the size switches for
 //   every row made one stream 0.7x there).
 //
-// Two inner loops:
+// Three inner loops:
 // - widening: weight elements are widened to float in registers (float32 and bfloat16), x is
 //   converted to a float buffer once; two vectors (2 x 16 lanes on AVX-512, 2 x 8 on AVX2)
 //   per step, bfloat16 widened without shuffles (load2);
+// - split bfloat16 (AVX2, one or two rows of bfloat16 x): x widened the same way as the
+//   weight, in registers, read as it is (SplitBf16);
 // - bfloat16 dot products (built for a CPU with AVX512-BF16, products of at least
 //   g_dot_min_rows rows): vdpbf16ps multiplies 32 bfloat16 pairs per instruction, neither
 //   operand is widened; one or two rows keep four independent sums. Where fewer rows take the
@@ -322,6 +325,88 @@ struct Widen {
   }
 };
 
+// bfloat16 x against a bfloat16 weight, both split the same way (load2: each 32-bit lane's
+// high half, and its low half shifted up): the even elements of one meet the even elements of
+// the other, so x is read as it is, in bfloat16, with no float buffer. For one or two rows of
+// x on AVX2: there the widening loop's float copy of x (4 bytes an element, read with two
+// loads per step of weight) fell out of L1 beside the weight's stream at K = 4864 (the 0.5B
+// shape's down projection read at 0.55x the rate of its K = 896 products); cold, 2 threads,
+// paired, the 0.5B shape's products 1.04-1.07x at one row, 1.07-1.10x at two, the down
+// projection alone 1.13x, the 50M Llama's (K 512 and 1376) 1.01x. (AVX-512 builds: 1.01x /
+// 1.05x, not taken: their one-row products keep the non-temporal loads.)
+constexpr int64_t kSplitMaxRows = 2;
+struct SplitBf16 {
+  using T = c10::BFloat16;
+  using XT = c10::BFloat16;
+  static constexpr int64_t kStep = 2 * kLanes;
+  static constexpr int64_t kBlock = Widen<T>::kBlock;
+
+  // acc[i * MR + j] += w_i[k0:k1] . x_j[k0:k1], as Widen::block.
+  template <int NR, int MR>
+  static inline void block(const T* w, int64_t K, int64_t rs, int64_t k0, int64_t k1,
+                           const XT* x, int64_t x_stride, vf* acc_io, bool pf) {
+    const bool prefetch = pf && g_prefetch_bytes > 0;
+    constexpr int kStepBytes = kStep * sizeof(T);
+    if constexpr (NR == 1 && MR == 1) {
+      // one stream, 4 cache lines of weight an iteration, 8 accumulators (as Widen)
+      constexpr int kSteps = 4 * kLineBytes / kStepBytes;
+      constexpr int kAcc = 2 * kSteps < 8 ? 2 * kSteps : 8;
+      vf a[kAcc] = {acc_io[0]};
+      int64_t k = k0;
+      for (; k + kSteps * kStep <= k1; k += kSteps * kStep) {
+        if (prefetch) {
+          const char* ahead = reinterpret_cast<const char*>(prefetch_at<1>(w, K, K, 0, k));
+          for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + l * kLineBytes);
+        }
+        for (int u = 0; u < kSteps; ++u) {
+          vf p, q, xe, xo;
+          load2(w + k + u * kStep, p, q);
+          load2(x + k + u * kStep, xe, xo);
+          a[(2 * u) % kAcc] += p * xe;
+          a[(2 * u + 1) % kAcc] += q * xo;
+        }
+      }
+      for (; k < k1; k += kStep) {
+        vf p, q, xe, xo;
+        load2(w + k, p, q);
+        load2(x + k, xe, xo);
+        a[0] += p * xe;
+        a[1] += q * xo;
+      }
+      for (int n = kAcc / 2; n > 0; n /= 2)
+        for (int i = 0; i < n; ++i) a[i] += a[i + n];
+      acc_io[0] = a[0];
+      return;
+    }
+    constexpr int kSplit = NR * MR <= 4 ? 2 : 1;  // (even and odd accumulators, as Widen)
+    vf acc[kSplit][NR][MR];
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) {
+        acc[0][i][j] = acc_io[i * MR + j];
+        acc[kSplit - 1][i][j] = kSplit == 2 ? vf{} : acc_io[i * MR + j];
+      }
+    for (int64_t k = k0; k < k1; k += kStep) {
+      vf xe[MR], xo[MR];
+      for (int j = 0; j < MR; ++j) load2(x + j * x_stride + k, xe[j], xo[j]);
+      for (int i = 0; i < NR; ++i) {
+        if (prefetch) {
+          const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, rs, i, k));
+          __builtin_prefetch(ahead);
+        }
+        vf p, q;
+        load2(w + i * rs + k, p, q);
+        for (int j = 0; j < MR; ++j) {
+          acc[0][i][j] += p * xe[j];
+          acc[kSplit - 1][i][j] += q * xo[j];
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j)
+        acc_io[i * MR + j] = kSplit == 2 ? acc[0][i][j] + acc[1][i][j] : acc[0][i][j];
+  }
+};
+
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
 
@@ -549,7 +634,23 @@ void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64
   });
 }
 
-template <typename T>
+// The inner loop a product of x [M, K] with the weight takes (see the top of the file).
+enum class SmallMLoop { kWiden, kWidenNt, kSplitBf16, kBf16Dot };
+
+SmallMLoop small_m_loop_for(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kBFloat16) {
+    if (kBf16Dot && M >= g_dot_min_rows) return SmallMLoop::kBf16Dot;
+    if (kVecBytes == 32 && M <= kSplitMaxRows) return SmallMLoop::kSplitBf16;
+  }
+  const bool nt = kVecBytes == 64 && g_nt_loads && M <= kNtMaxRows &&
+                  reinterpret_cast<uintptr_t>(weight.data_ptr()) % 64 == 0 &&
+                  K * static_cast<int64_t>(weight.element_size()) % 64 == 0;
+  return nt ? SmallMLoop::kWidenNt : SmallMLoop::kWiden;
+}
+
+// The widening loop (kNt: its non-temporal weight loads) on x copied to float rows.
+template <typename T, bool kNt>
 void run_widen(const at::Tensor& x, const at::Tensor& weight, const T* bp, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1);
   // x as float rows (a few KB: stays in cache while the weight streams by), each starting on
@@ -573,23 +674,42 @@ void run_widen(const at::Tensor& x, const at::Tensor& weight, const T* bp, at::T
       }
     for (int64_t k = k_vec; k < K; ++k) dst[k] = scalar(src[k]);
   }
-  const T* wp = weight.data_ptr<T>();
-  const bool nt = kVecBytes == 64 && g_nt_loads && M <= kNtMaxRows &&
-                  reinterpret_cast<uintptr_t>(wp) % 64 == 0 &&
-                  K * static_cast<int64_t>(sizeof(T)) % 64 == 0;
-  if (nt)
-    run<Widen<T, true>>(xf, xs, M, K, wp, weight.size(0), bp, out.data_ptr<T>(), out.stride(0));
-  else
-    run<Widen<T>>(xf, xs, M, K, wp, weight.size(0), bp, out.data_ptr<T>(), out.stride(0));
+  run<Widen<T, kNt>>(xf, xs, M, K, weight.data_ptr<T>(), weight.size(0), bp, out.data_ptr<T>(),
+                     out.stride(0));
 }
 
-at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias) {
+template <typename T>
+void run_small_m(SmallMLoop loop, const at::Tensor& x, const at::Tensor& weight, const T* bp,
+                 at::Tensor& out) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (loop == SmallMLoop::kSplitBf16)
+      return run<SplitBf16>(x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1),
+                            weight.data_ptr<T>(), weight.size(0), bp, out.data_ptr<T>(),
+                            out.stride(0));
+#if defined(__AVX512BF16__)
+    if (loop == SmallMLoop::kBf16Dot)
+      return run<Bf16Dot>(x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1),
+                          weight.data_ptr<T>(), weight.size(0), bp, out.data_ptr<T>(),
+                          out.stride(0));
+#endif
+  }
+  if (loop == SmallMLoop::kWidenNt) return run_widen<T, true>(x, weight, bp, out);
+  run_widen<T, false>(x, weight, bp, out);
+}
+
+void check_small_m_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "small_m_linear: x [M, K] and weight [N, K] expected");
   TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(),
               "small_m_linear: x's last dim and the weight must be dense");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "small_m_linear: unsupported dtype ", x.scalar_type());
+}
+
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  check_small_m_args(x, weight);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
@@ -598,27 +718,25 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
   }
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
   if (x.size(0) == 0 || weight.size(0) == 0) return out;
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      run_widen<float>(x, weight, has_bias ? bias->data_ptr<float>() : nullptr, out);
-      break;
-    case at::kBFloat16: {
-      using T = c10::BFloat16;
-      const T* bp = has_bias ? bias->data_ptr<T>() : nullptr;
-#if defined(__AVX512BF16__)
-      if (x.size(0) >= g_dot_min_rows) {
-        run<Bf16Dot>(x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1), weight.data_ptr<T>(),
-                     weight.size(0), bp, out.data_ptr<T>(), out.stride(0));
-        break;
-      }
-#endif
-      run_widen<T>(x, weight, bp, out);
-      break;
-    }
-    default:
-      TORCH_CHECK(false, "small_m_linear: unsupported dtype ", x.scalar_type());
-  }
+  const SmallMLoop loop = small_m_loop_for(x, weight);
+  if (x.scalar_type() == at::kFloat)
+    run_small_m<float>(loop, x, weight, has_bias ? bias->data_ptr<float>() : nullptr, out);
+  else
+    run_small_m<c10::BFloat16>(loop, x, weight,
+                               has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr, out);
   return out;
+}
+
+// Which inner loop small_m_linear(x, weight) takes: "widen", "widen_nt", "split_bf16" or
+// "bf16_dot".
+std::string small_m_loop(const at::Tensor& x, const at::Tensor& weight) {
+  check_small_m_args(x, weight);
+  switch (small_m_loop_for(x, weight)) {
+    case SmallMLoop::kWidenNt: return "widen_nt";
+    case SmallMLoop::kSplitBf16: return "split_bf16";
+    case SmallMLoop::kBf16Dot: return "bf16_dot";
+    default: return "widen";
+  }
 }
 
 bool has_bf16_dot() { return kBf16Dot; }
@@ -969,6 +1087,7 @@ TORCH_LIBRARY(vllm_cpu_linear, m) {
   // Whether bfloat16 products (of bf16_dot_min_rows rows or more) use AVX512-BF16 dot
   // products.
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
+  m.def("small_m_loop(Tensor x, Tensor weight) -> str", &small_m_loop);
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, &linear);
   m.impl("linear", c10::DispatchKey::Meta, &linear_meta);
