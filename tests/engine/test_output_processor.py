@@ -8,6 +8,7 @@ from vllm.engine.output_processor import (
     IncrementalDetokenizer,
     OutputProcessor,
     find_stop_string,
+    list_decoder,
 )
 from vllm.engine.sched_output import EngineCoreOutput, LogprobsLists
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -22,6 +23,54 @@ def test_incremental_matches_full_decode(tokenizer):
     assert "".join(pieces) + detok.flush() == tokenizer.decode(ids)
     # Multi-byte characters are held back until complete, never emitted half-done.
     assert all("\ufffd" not in p for p in pieces)
+
+
+def _wordpiece_tokenizer():
+    """A WordPiece tokenizer whose decode cleans up spaces before punctuation."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[SEP]": 1, "hello": 2, ",": 3, "world": 4, ".": 5, "##s": 6}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                                   clean_up_tokenization_spaces=True)
+
+
+def test_list_decoder_gives_decode_s_text_without_its_id_conversion(tokenizer, monkeypatch):
+    """The detokenizer decodes lists of ints through the tokenizer's `_decode` where `decode`
+    is transformers' own: the same text (special tokens skipped or not, a WordPiece
+    tokenizer's clean-up of spaces), and `decode`'s per-id conversion (to_py_obj) never runs;
+    a tokenizer that overrides `decode`, or one from elsewhere, keeps its `decode`."""
+    import transformers.tokenization_utils_base as tub
+
+    wordpiece = _wordpiece_tokenizer()
+    cases = [(tokenizer, tokenizer.encode("Hello world! ü€") + [tokenizer.eos_token_id]),
+             (wordpiece, [2, 3, 4, 6, 5, 1])]
+    for tok, ids in cases:
+        assert list_decoder(tok) == tok._decode
+        for skip in (True, False):
+            assert list_decoder(tok)(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip)
+    assert list_decoder(wordpiece)([2, 3, 4, 5]) == "hello, world."  # cleaned up
+
+    def no_conversion(obj):
+        raise AssertionError("decode's id conversion ran")
+
+    monkeypatch.setattr(tub, "to_py_obj", no_conversion)
+    ids = tokenizer.encode(" quick brown fox")
+    detok = IncrementalDetokenizer(tokenizer, [5], skip_special_tokens=True)
+    assert "".join(detok.update(t) for t in ids) + detok.flush() == " quick brown fox"
+
+    class OwnDecode:
+        def decode(self, ids, skip_special_tokens=False):
+            return "own"
+
+    own = OwnDecode()
+    assert list_decoder(own) == own.decode
+    monkeypatch.setattr(type(tokenizer), "decode", lambda self, ids, **kw: "overridden")
+    assert list_decoder(tokenizer)([1, 2]) == "overridden"
 
 
 def test_find_stop_string():
