@@ -536,7 +536,8 @@ def test_nt_loads_default_per_vendor_and_env(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_non_temporal_weight_loads_give_the_same_products(dtype):
     """Non-temporal weight loads (AVX-512 builds, one-row products, aligned weights only: the
-    inner loop `small_m_loop` names) read the same values: the small-M kernel (stream counts
+    inner loop `small_m_loop` names; the widening loop's, and the bfloat16 dot products' where
+    the CPU has them) read the same values: the small-M kernel (stream counts
     1, 2 and 8) gives bit-identical results either way at one row, and at 2-4 rows (plain
     loads both ways), on an aligned weight and on one that starts 4 bytes off a vector
     boundary (plain loads there), which must not fault."""
@@ -550,12 +551,12 @@ def test_non_temporal_weight_loads_give_the_same_products(dtype):
     assert aligned.data_ptr() % 64 == 0 and shifted.data_ptr() % 64 == 4
 
     def expected_loop(rows, is_aligned, nt):  # the kernel's inner loop (`small_m_loop`)
+        nt_ok = op.isa().startswith("avx512") and nt and rows == 1 and is_aligned
         if dtype == torch.bfloat16:
             if op.has_bf16_dot() and rows >= op.bf16_dot_min_rows():
-                return "bf16_dot"
+                return "bf16_dot_nt" if nt_ok else "bf16_dot"
             if op.isa() == "avx2" and rows <= 2:
                 return "split_bf16"
-        nt_ok = op.isa().startswith("avx512") and nt and rows == 1 and is_aligned
         return "widen_nt" if nt_ok else "widen"
 
     before, streams = op.nt_loads(), op.streams()

@@ -257,21 +257,22 @@ def prefetch_bytes() -> int:
                              "no software prefetch", default)
 
 
-# Non-temporal weight loads (vmovntdqa, AVX-512 builds) in the small-M kernel's widening loop
-# for one-row products (float32 weights, and bfloat16 ones below the dot-product rows), per CPU
-# vendor. On the Zen 4 dev machine the lines such a load brings in displace less of what L2
-# and L3 hold (a 2-8 MB working set read again after a 100 MB stream came back at ~40 GB/s
-# instead of ~20, one thread). Measured there, 2 threads, in-process paired rounds: one-row
-# float32 products of the 50M Llama's layers 1.10x, its LM head 1.02x, the 0.5B shape's 1.02x;
-# batch-1 decode end to end (the setting switched between requests of one engine) 50M float32
-# 0.94-1.14x over seven runs, median 1.04x, the 0.5B shape 1.04x. Products of 2-3 rows read
-# 0.85x with them and batch-3 decode 0.92x: one row only (csrc kNtMaxRows). The bfloat16
-# dot-product loop keeps plain loads (1.00-1.02x with them, and the branch slowed its 4-16-row
-# tiles), and so does the float32 panel kernel (4-8 rows 0.99-1.10x; the branch made its 16-row
-# tile 1.7x slower). (A first version read every weight through a run-time branch, which made
-# plain loads slower and showed non-temporal ones 1.1-1.5x ahead end to end: not their gain.)
-# Software prefetches with the non-temporal hint instead (PREFETCHNTA, 2-8 KB ahead) measured
-# 0.84-0.88x of none end to end. Others are not measured: plain loads.
+# Non-temporal weight loads (vmovntdqa, AVX-512 builds) in the small-M kernel's widening and
+# bfloat16 dot-product loops for one-row products, per CPU vendor. On the Zen 4 dev machine the
+# lines such a load brings in displace less of what L2 and L3 hold (a 2-8 MB working set read again
+# after a 100 MB stream came back at ~40 GB/s instead of ~20, one thread). Measured there, 2
+# threads, in-process paired rounds: one-row float32 products of the 50M Llama's layers 1.10x, its
+# LM head 1.02x, the 0.5B shape's 1.02x; batch-1 decode end to end (the setting switched between
+# requests of one engine) 50M float32 0.94-1.14x over seven runs, median 1.04x, the 0.5B shape
+# 1.04x. Products of 2-3 rows read 0.85x with them and batch-3 decode 0.92x: one row only (csrc
+# kNtMaxRows). The bfloat16 dot-product loop's one-row products (AVX512-BF16; the loop's own
+# instantiation, as the widening loop's): batch-1 decode of the 50M Llama in bfloat16 0.98-1.11x
+# over four paired runs (1.11, 0.98, 1.09, 1.02), the 0.5B shape 1.07x. The float32 panel kernel
+# keeps plain loads (4-8 rows 0.99-1.10x; a run-time branch made its 16-row tile 1.7x slower). (A
+# first version read every weight through a run-time branch, which made plain loads slower and
+# showed non-temporal ones 1.1-1.5x ahead end to end: not their gain.) Software prefetches with the
+# non-temporal hint instead (PREFETCHNTA, 2-8 KB ahead) measured 0.84-0.88x of none end to end.
+# Others are not measured: plain loads.
 NT_LOADS_BY_VENDOR = {"AuthenticAMD": True}
 
 

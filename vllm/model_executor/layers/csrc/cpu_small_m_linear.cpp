@@ -129,9 +129,9 @@ inline vf load(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-// Whether the widening loop reads weights with non-temporal loads (vmovntdqa; AVX-512 builds,
-// one row of x, weights whose rows start on 64-byte boundaries), set from Python per CPU vendor
-// (`nt_loads` op; cpu_linear.py says what was measured where).
+// Whether the widening and bfloat16 dot-product loops read weights with non-temporal loads
+// (vmovntdqa; AVX-512 builds, one row of x, weights whose rows start on 64-byte boundaries),
+// set from Python per CPU vendor (`nt_loads` op; cpu_linear.py says what was measured where).
 bool g_nt_loads = false;
 // Most rows of x for them: on the Zen 4 dev machine batch-3 decode of the 50M Llama measured
 // 0.92x end to end with them (paired), the products of 2-3 rows 0.85x alone.
@@ -410,7 +410,9 @@ struct SplitBf16 {
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
 
-// AVX512-BF16 loop: vdpbf16ps adds 32 bfloat16 products into 16 float lanes per step.
+// AVX512-BF16 loop: vdpbf16ps adds 32 bfloat16 products into 16 float lanes per step (kNt:
+// non-temporal weight loads, every weight row 64-byte aligned).
+template <bool kNt = false>
 struct Bf16Dot {
   using T = c10::BFloat16;
   using XT = c10::BFloat16;
@@ -436,14 +438,14 @@ struct Bf16Dot {
           for (int u = 0; u < U; ++u) __builtin_prefetch(ahead + u * kLineBytes);
         }
         for (int u = 0; u < U; ++u) {
-          const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + u * kStep);
+          const __m512bh wv = load_weight<kNt, __m512bh>(w + k + u * kStep);
           for (int j = 0; j < MR; ++j)
             a[u][j] = _mm512_dpbf16_ps(
                 a[u][j], wv, (__m512bh)_mm512_loadu_si512(x + j * x_stride + k + u * kStep));
         }
       }
       for (; k < k1; k += kStep) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        const __m512bh wv = load_weight<kNt, __m512bh>(w + k);
         for (int j = 0; j < MR; ++j)
           a[0][j] = _mm512_dpbf16_ps(a[0][j], wv,
                                      (__m512bh)_mm512_loadu_si512(x + j * x_stride + k));
@@ -463,7 +465,7 @@ struct Bf16Dot {
       for (int j = 0; j < MR; ++j) xv[j] = (__m512bh)_mm512_loadu_si512(x + j * x_stride + k);
       for (int i = 0; i < NR; ++i) {
         if (prefetch) __builtin_prefetch(prefetch_at<NR>(w, K, rs, i, k));
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i * rs + k);
+        const __m512bh wv = load_weight<kNt, __m512bh>(w + i * rs + k);
         for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
       }
     }
@@ -635,17 +637,18 @@ void run(const XT* x, int64_t x_stride, int64_t M, int64_t K, const T* wp, int64
 }
 
 // The inner loop a product of x [M, K] with the weight takes (see the top of the file).
-enum class SmallMLoop { kWiden, kWidenNt, kSplitBf16, kBf16Dot };
+enum class SmallMLoop { kWiden, kWidenNt, kSplitBf16, kBf16Dot, kBf16DotNt };
 
 SmallMLoop small_m_loop_for(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (x.scalar_type() == at::kBFloat16) {
-    if (kBf16Dot && M >= g_dot_min_rows) return SmallMLoop::kBf16Dot;
-    if (kVecBytes == 32 && M <= kSplitMaxRows) return SmallMLoop::kSplitBf16;
-  }
   const bool nt = kVecBytes == 64 && g_nt_loads && M <= kNtMaxRows &&
                   reinterpret_cast<uintptr_t>(weight.data_ptr()) % 64 == 0 &&
                   K * static_cast<int64_t>(weight.element_size()) % 64 == 0;
+  if (x.scalar_type() == at::kBFloat16) {
+    if (kBf16Dot && M >= g_dot_min_rows)
+      return nt ? SmallMLoop::kBf16DotNt : SmallMLoop::kBf16Dot;
+    if (kVecBytes == 32 && M <= kSplitMaxRows) return SmallMLoop::kSplitBf16;
+  }
   return nt ? SmallMLoop::kWidenNt : SmallMLoop::kWiden;
 }
 
@@ -687,10 +690,14 @@ void run_small_m(SmallMLoop loop, const at::Tensor& x, const at::Tensor& weight,
                             weight.data_ptr<T>(), weight.size(0), bp, out.data_ptr<T>(),
                             out.stride(0));
 #if defined(__AVX512BF16__)
+    if (loop == SmallMLoop::kBf16DotNt)
+      return run<Bf16Dot<true>>(x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1),
+                                weight.data_ptr<T>(), weight.size(0), bp, out.data_ptr<T>(),
+                                out.stride(0));
     if (loop == SmallMLoop::kBf16Dot)
-      return run<Bf16Dot>(x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1),
-                          weight.data_ptr<T>(), weight.size(0), bp, out.data_ptr<T>(),
-                          out.stride(0));
+      return run<Bf16Dot<false>>(x.data_ptr<T>(), x.stride(0), x.size(0), x.size(1),
+                                 weight.data_ptr<T>(), weight.size(0), bp, out.data_ptr<T>(),
+                                 out.stride(0));
 #endif
   }
   if (loop == SmallMLoop::kWidenNt) return run_widen<T, true>(x, weight, bp, out);
@@ -727,14 +734,15 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// Which inner loop small_m_linear(x, weight) takes: "widen", "widen_nt", "split_bf16" or
-// "bf16_dot".
+// Which inner loop small_m_linear(x, weight) takes: "widen", "widen_nt", "split_bf16",
+// "bf16_dot" or "bf16_dot_nt".
 std::string small_m_loop(const at::Tensor& x, const at::Tensor& weight) {
   check_small_m_args(x, weight);
   switch (small_m_loop_for(x, weight)) {
     case SmallMLoop::kWidenNt: return "widen_nt";
     case SmallMLoop::kSplitBf16: return "split_bf16";
     case SmallMLoop::kBf16Dot: return "bf16_dot";
+    case SmallMLoop::kBf16DotNt: return "bf16_dot_nt";
     default: return "widen";
   }
 }
@@ -986,8 +994,8 @@ int64_t prefetch_bytes(int64_t bytes) {
   return g_prefetch_bytes;
 }
 
-// Whether one-row widening products read weights with non-temporal loads: 1 yes, 0 no; a
-// negative value only reads it. Returns the setting in force.
+// Whether one-row products read weights with non-temporal loads: 1 yes, 0 no; a negative
+// value only reads it. Returns the setting in force.
 int64_t nt_loads(int64_t v) {
   if (v >= 0) g_nt_loads = v > 0;
   return g_nt_loads;
