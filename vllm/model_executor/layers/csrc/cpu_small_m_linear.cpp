@@ -203,11 +203,21 @@ inline const T* prefetch_at(const T* w, int64_t K, int64_t rs, int i, int64_t k)
   return w + (i + NR) * K + k;
 }
 
-// Widening loop: x is float, the weight float or bfloat16; 2 * kLanes elements per step
-// (load2; kNt: non-temporal loads, every weight row 64-byte aligned).
-template <typename T, bool kNt = false>
+// One step of x (2 * kLanes elements at p) as the two float vectors load2 makes of the weight's
+// step: a float buffer (run_widen) as it is; bfloat16 x split into even and odd elements, as
+// load2 splits a bfloat16 weight, so that the even elements of one meet those of the other.
+inline void load_x2(const float* p, vf& a, vf& b) {
+  a = load(p);
+  b = load(p + kLanes);
+}
+inline void load_x2(const c10::BFloat16* p, vf& a, vf& b) { load2(p, a, b); }
+
+// Widening loop: the weight float or bfloat16, x float (a buffer: run_widen) or, with a
+// bfloat16 weight, bfloat16 as it is (the split loop: see SplitBf16); 2 * kLanes elements per
+// step (load2, load_x2; kNt: non-temporal loads, every weight row 64-byte aligned).
+template <typename T, bool kNt = false, typename X = float>
 struct Widen {
-  using XT = float;
+  using XT = X;
   static constexpr int64_t kStep = 2 * kLanes;
   // K block: AVX-512's 4 x 4 tiles of 5-16 x rows 1.2-1.3x faster at 256 than at 512 (whose
   // x block of 16 rows, 32 KB, left the weight rows little of L1); AVX2 measured 512.
@@ -221,7 +231,7 @@ struct Widen {
   // block: the first group already prefetched for them).
   template <int NR, int MR>
   static inline void block(const T* w, int64_t K, int64_t rs, int64_t k0, int64_t k1,
-                           const float* x, int64_t x_stride, vf* acc_io, bool pf) {
+                           const XT* x, int64_t x_stride, vf* acc_io, bool pf) {
     const bool prefetch = pf && g_prefetch_bytes > 0;
     if constexpr (NR == 1 && MR == 1) {
       // One stream, 256 bytes of weight (4 cache lines) an iteration, up to 8 accumulators:
@@ -236,17 +246,19 @@ struct Widen {
           for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + l * kLineBytes);
         }
         for (int u = 0; u < kPairs; ++u) {
-          vf p, q;
+          vf p, q, xa, xb;
           load2<kNt>(w + k + u * kStep, p, q);
-          a[(2 * u) % kAcc] += p * load(x + k + u * kStep);
-          a[(2 * u + 1) % kAcc] += q * load(x + k + u * kStep + kLanes);
+          load_x2(x + k + u * kStep, xa, xb);
+          a[(2 * u) % kAcc] += p * xa;
+          a[(2 * u + 1) % kAcc] += q * xb;
         }
       }
       for (; k < k1; k += kStep) {
-        vf p, q;
+        vf p, q, xa, xb;
         load2<kNt>(w + k, p, q);
-        a[0] += p * load(x + k);
-        a[1] += q * load(x + k + kLanes);
+        load_x2(x + k, xa, xb);
+        a[0] += p * xa;
+        a[1] += q * xb;
       }
       for (int n = kAcc / 2; n > 0; n /= 2)
         for (int i = 0; i < n; ++i) a[i] += a[i + n];
@@ -255,7 +267,7 @@ struct Widen {
     }
     // Small tiles keep even and odd halves in separate accumulators (two FMA chains each).
     constexpr int kSplit = NR * MR <= 4 ? 2 : 1;
-    if constexpr (kSplit == 1 && kVecBytes == 32) {
+    if constexpr (kSplit == 1 && kVecBytes == 32 && std::is_same_v<XT, float>) {
       // AVX2's large tiles: one half-step at a time, each x vector loaded once into one
       // register and multiplied into every weight row's accumulator (NR * MR + NR + 1
       // registers). The next tile's rows are always prefetched: the first group of x rows
@@ -302,10 +314,7 @@ struct Widen {
       }
     for (int64_t k = k0; k < k1; k += kStep) {
       vf x0[MR], x1[MR];
-      for (int j = 0; j < MR; ++j) {
-        x0[j] = load(x + j * x_stride + k);
-        x1[j] = load(x + j * x_stride + k + kLanes);
-      }
+      for (int j = 0; j < MR; ++j) load_x2(x + j * x_stride + k, x0[j], x1[j]);
       for (int i = 0; i < NR; ++i) {
         if (prefetch) {
           const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, rs, i, k));
@@ -335,77 +344,7 @@ struct Widen {
 // projection alone 1.13x, the 50M Llama's (K 512 and 1376) 1.01x. (AVX-512 builds: 1.01x /
 // 1.05x, not taken: their one-row products keep the non-temporal loads.)
 constexpr int64_t kSplitMaxRows = 2;
-struct SplitBf16 {
-  using T = c10::BFloat16;
-  using XT = c10::BFloat16;
-  static constexpr int64_t kStep = 2 * kLanes;
-  static constexpr int64_t kBlock = Widen<T>::kBlock;
-
-  // acc[i * MR + j] += w_i[k0:k1] . x_j[k0:k1], as Widen::block.
-  template <int NR, int MR>
-  static inline void block(const T* w, int64_t K, int64_t rs, int64_t k0, int64_t k1,
-                           const XT* x, int64_t x_stride, vf* acc_io, bool pf) {
-    const bool prefetch = pf && g_prefetch_bytes > 0;
-    constexpr int kStepBytes = kStep * sizeof(T);
-    if constexpr (NR == 1 && MR == 1) {
-      // one stream, 4 cache lines of weight an iteration, 8 accumulators (as Widen)
-      constexpr int kSteps = 4 * kLineBytes / kStepBytes;
-      constexpr int kAcc = 2 * kSteps < 8 ? 2 * kSteps : 8;
-      vf a[kAcc] = {acc_io[0]};
-      int64_t k = k0;
-      for (; k + kSteps * kStep <= k1; k += kSteps * kStep) {
-        if (prefetch) {
-          const char* ahead = reinterpret_cast<const char*>(prefetch_at<1>(w, K, K, 0, k));
-          for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + l * kLineBytes);
-        }
-        for (int u = 0; u < kSteps; ++u) {
-          vf p, q, xe, xo;
-          load2(w + k + u * kStep, p, q);
-          load2(x + k + u * kStep, xe, xo);
-          a[(2 * u) % kAcc] += p * xe;
-          a[(2 * u + 1) % kAcc] += q * xo;
-        }
-      }
-      for (; k < k1; k += kStep) {
-        vf p, q, xe, xo;
-        load2(w + k, p, q);
-        load2(x + k, xe, xo);
-        a[0] += p * xe;
-        a[1] += q * xo;
-      }
-      for (int n = kAcc / 2; n > 0; n /= 2)
-        for (int i = 0; i < n; ++i) a[i] += a[i + n];
-      acc_io[0] = a[0];
-      return;
-    }
-    constexpr int kSplit = NR * MR <= 4 ? 2 : 1;  // (even and odd accumulators, as Widen)
-    vf acc[kSplit][NR][MR];
-    for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < MR; ++j) {
-        acc[0][i][j] = acc_io[i * MR + j];
-        acc[kSplit - 1][i][j] = kSplit == 2 ? vf{} : acc_io[i * MR + j];
-      }
-    for (int64_t k = k0; k < k1; k += kStep) {
-      vf xe[MR], xo[MR];
-      for (int j = 0; j < MR; ++j) load2(x + j * x_stride + k, xe[j], xo[j]);
-      for (int i = 0; i < NR; ++i) {
-        if (prefetch) {
-          const char* ahead = reinterpret_cast<const char*>(prefetch_at<NR>(w, K, rs, i, k));
-          __builtin_prefetch(ahead);
-        }
-        vf p, q;
-        load2(w + i * rs + k, p, q);
-        for (int j = 0; j < MR; ++j) {
-          acc[0][i][j] += p * xe[j];
-          acc[kSplit - 1][i][j] += q * xo[j];
-        }
-      }
-    }
-    for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < MR; ++j)
-        acc_io[i * MR + j] = kSplit == 2 ? acc[0][i][j] + acc[1][i][j] : acc[0][i][j];
-  }
-};
+using SplitBf16 = Widen<c10::BFloat16, false, c10::BFloat16>;
 
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
