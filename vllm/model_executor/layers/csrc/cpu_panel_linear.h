@@ -35,8 +35,9 @@
 // float32 block, each tile prefetches its 1/T share of the next block's lines, evenly over its
 // steps (`NextBlockShare`). With the first tile alone prefetching, that tile read the weight
 // from memory while the FMAs waited, and the others computed from L1 while nothing was read:
-// AVX2 float32 at 12-24 rows (tiles of 6) ran 1.15-1.19x faster spread, AVX-512 at 24-64 rows
-// (tiles of 12) 1.02-1.09x; bfloat16 panels (half the bytes a step) read 0.94-1.10x, unchanged.
+// the 0.5B shape's products, paired, AVX2 float32 at 12-24 rows (tiles of 6) 1.21-1.26x, 8 rows
+// 1.14x, AVX-512 at 24-64 rows (tiles of 12) 1.05-1.06x; bfloat16 panels (half the bytes a
+// step) read 0.94-1.10x spread: unchanged.
 
 // Output columns per panel (one cache line of float32).
 constexpr int64_t kPanel = 16;
@@ -198,7 +199,7 @@ inline void panel_tile(const T* w, int64_t K, const float* xt, int64_t k0, int64
   }
   const int64_t panel_stride = K * kPanel;
   const int64_t ahead = g_panel_prefetch_lines * kPanel;
-  constexpr int64_t kLineElems = 64 / sizeof(T);
+  constexpr int64_t kLineElems = kLineBytes / sizeof(T);
   const int64_t steps = k1 - k0;
   int64_t credit = 0;  // kNextBlock: next.lines per step, one line per `steps`
   for (int64_t k = k0; k < k1; ++k) {
@@ -348,20 +349,23 @@ void panel_product(const at::Tensor& x, const at::Tensor& panels, int64_t N, con
     constexpr int64_t kChunk = (kPanelChunkRows + kPanelTileM - 1) / kPanelTileM * kPanelTileM;
     for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
       const int64_t m1 = std::min(M, m0 + kChunk);
+      const int64_t tiles = (m1 - m0 + kPanelTileM - 1) / kPanelTileM;  // in this chunk
       for (int64_t g = begin; g < end; ++g) {
         const int64_t p0 = g * kPanelTileP;
         const int64_t np = std::min<int64_t>(kPanelTileP, num_panels - p0);
         for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
           const int64_t k1 = std::min(K, k0 + kBlock);
           // the next block of a full group: this group's, or the next group's first
-          const int64_t tiles = (m1 - m0 + kPanelTileM - 1) / kPanelTileM;
+          constexpr int64_t kLineElems = kLineBytes / sizeof(T);
           const T* next_block = nullptr;
           int64_t next_lines = 0;
           if (std::is_same_v<T, float> && tiles > 1 && np == kPanelTileP &&
               ahead == PanelPrefetch::kAhead && (k1 < K || g + 1 < end)) {
-            next_block = k1 < K ? wp + (p0 * K + k1) * kPanel : wp + (p0 + kPanelTileP) * K * kPanel;
-            const int64_t next_steps = k1 < K ? std::min(K, k1 + kBlock) - k1 : std::min(K, kBlock);
-            next_lines = (next_steps * kPanel * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+            next_block = k1 < K ? wp + (p0 * K + k1) * kPanel
+                                : wp + (p0 + kPanelTileP) * K * kPanel;
+            const int64_t next_steps =
+                k1 < K ? std::min(K, k1 + kBlock) - k1 : std::min(K, kBlock);
+            next_lines = (next_steps * kPanel + kLineElems - 1) / kLineElems;
           }
           for (int64_t r0 = m0; r0 < m1; r0 += kPanelTileM) {
             const int rows = static_cast<int>(std::min<int64_t>(kPanelTileM, m1 - r0));
@@ -370,7 +374,7 @@ void panel_product(const at::Tensor& x, const at::Tensor& panels, int64_t N, con
             if (next_block) {  // tile t of `tiles`: lines [t * L / tiles, (t + 1) * L / tiles)
               const int64_t t = (r0 - m0) / kPanelTileM;
               const int64_t from = t * next_lines / tiles, to = (t + 1) * next_lines / tiles;
-              share = {next_block + from * (64 / static_cast<int64_t>(sizeof(T))), to - from};
+              share = {next_block + from * kLineElems, to - from};
               pf = PanelPrefetch::kNextBlock;
             }
             // a full group of panels, or the last group's panels one at a time
