@@ -124,6 +124,33 @@ def test_kernel_decode_batches_in_both_read_orders(dtype, heads, kv_heads, head_
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(8, 8, 64), (14, 2, 64), (4, 4, 128),
+                                                      (6, 3, 80)])
+@pytest.mark.parametrize("window,cap", [(None, None), (24, None), (None, 20.0), (24, 20.0)])
+def test_kernel_prompt_rows_in_the_lanes(dtype, heads, kv_heads, head_size, window, cap):
+    """Items with many rows per KV head (prompts, chunks with context, GQA groups) fold with the
+    rows in the vector lanes: row counts that fill the lanes, leave some empty (9, 23 rows) or
+    span several groups (GQA), in place (float32) or from widened copies, match the reference
+    with a sliding window and soft-capping, in 16- and 32-slot blocks (two 16-key chunks in a
+    block). Two threads, so items are split between them."""
+    requests = [(0, 9), (0, 40), (17, 23), (100, 33), (3, 1)]
+    for block_size in (16, 32):
+        query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
+                                                           block_size, dtype, seed=block_size)
+        query = query * 4  # sharp softmax: the running max moves between chunks
+        reqs = torch.arange(len(requests))
+        out = torch.full(query.shape, 7.0, dtype=dtype)
+        ref = torch.zeros(query.shape, dtype=dtype)
+        on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125,
+                       out, window, cap)
+        paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref,
+                                  window, cap)
+        assert not out.isnan().any()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
 def test_kernel_leaves_unlisted_requests_alone():
     requests = [(3, 1), (0, 5), (6, 1), (4, 2)]
     query, cache, table, seq_lens, starts = make_batch(requests, 4, 2, 16, 4, torch.float32)

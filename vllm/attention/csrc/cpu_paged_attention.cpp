@@ -30,10 +30,12 @@
 // Work items are (request, chunk of up to kRowChunk query rows, group of KV heads): the
 // G = H / KVH query heads that share a KV head are computed together, so each K/V row is read
 // once and used G times; KV heads are split into groups only as far as needed to keep every
-// thread busy, since a whole position row (all heads) streams sequentially. Items are handed out longest first from an atomic counter inside
-// at::parallel_for (mixed lengths stay balanced). Each item runs an online softmax over
-// chunks of 16 keys in float32: the chunk's K is transposed once so that every row scores
-// 16 keys with vector FMAs, then the chunk's V rows are added with the row's weights.
+// thread busy, since a whole position row (all heads) streams sequentially. Items are handed
+// out longest first from an atomic counter inside at::parallel_for (mixed lengths stay
+// balanced). All arithmetic is float32. An item with few rows per KV head (decode) scores every
+// position first and then adds the weighted V rows (two_pass_item, AVX-512), or runs an online
+// softmax over chunks of 16 keys row by row (fold_keys); one with many (a prompt's chunk, GQA
+// groups) runs the online softmax with its rows in the vector lanes (fold_lanes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -79,39 +81,43 @@ inline float hsum(vf v) {
 // exp(x) for x <= 0 (scores minus their running max), about 2 ulp; exactly 0 below -87
 // (so masked -inf scores give 0). 2^n * e^y with n = round(x / ln 2), |y| <= ln 2 / 2, and a
 // degree-6 Taylor polynomial for e^y.
-inline vf exp_nonpositive(vf x) {
-  const vf t = x * 1.44269504088896341f;
-  const vf n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
-  const vf y = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n * ln2 in two parts
-  vf p = splat(1.0f / 720.0f);
+template <typename V>
+inline V exp_nonpositive(V x) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  const V t = x * 1.44269504088896341f;
+  const V n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
+  const V y = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n * ln2 in two parts
+  V p = V{} + 1.0f / 720.0f;
   p = p * y + 1.0f / 120.0f;
   p = p * y + 1.0f / 24.0f;
   p = p * y + 1.0f / 6.0f;
   p = p * y + 0.5f;
   p = p * y + 1.0f;
   p = p * y + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  const vf scale = reinterpret_cast<const vf&>(bits);
-  return x < -87.0f ? splat(0.0f) : p * scale;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? V{} : p * scale;
 }
 
 // cap * tanh(x / cap), lane-wise, about 3 ulp. With a = |x / cap|: below 0.3 the odd Taylor
 // series of tanh to a^13 (truncation < 1e-10 relative); from 0.3 on (1 - t) / (1 + t) with
 // t = e^(-2a) <= 0.55, which loses at most a bit or two to the subtraction (and is exactly 1
 // once t underflows to 0); then x's sign.
-inline vf soft_cap(vf x, float cap, float inv_cap) {
-  const vf y = x * inv_cap;
-  const vf a = y < 0.0f ? -y : y;
-  const vf a2 = a * a;
-  vf p = splat(21844.0f / 6081075.0f);
+template <typename V>
+inline V soft_cap(V x, float cap, float inv_cap) {
+  const V y = x * inv_cap;
+  const V a = y < 0.0f ? -y : y;
+  const V a2 = a * a;
+  V p = V{} + 21844.0f / 6081075.0f;
   p = p * a2 - 1382.0f / 155925.0f;
   p = p * a2 + 62.0f / 2835.0f;
   p = p * a2 - 17.0f / 315.0f;
   p = p * a2 + 2.0f / 15.0f;
   p = p * a2 - 1.0f / 3.0f;
-  const vf series = a + a * a2 * p;
-  const vf t = exp_nonpositive(-2.0f * a);
-  const vf th = a < 0.3f ? series : (1.0f - t) / (1.0f + t);
+  const V series = a + a * a2 * p;
+  const V t = exp_nonpositive(-2.0f * a);
+  const V th = a < 0.3f ? series : (1.0f - t) / (1.0f + t);
   return (y < 0.0f ? -th : th) * cap;
 }
 
@@ -144,6 +150,18 @@ struct Scratch {
   std::vector<int64_t> first, limit;  // each row's first and last visible position
   Scratch(int64_t rows, int64_t D)
       : q(rows * D), acc(rows * D), m(rows), l(rows), first(rows), limit(rows) {}
+  // fold_lanes' path: per group of 16 rows Q^T [D][16], running max / sum, visible range
+  std::vector<float> qt, gm, gl, ptile;
+  std::vector<int32_t> gfirst, glimit;
+  void for_lanes(int64_t groups, int64_t D) {
+    if (static_cast<int64_t>(gm.size()) >= groups * kKeys) return;
+    qt.resize(groups * D * kKeys);  // kKeys >= the lanes of any ISA
+    gm.resize(groups * kKeys);
+    gl.resize(groups * kKeys);
+    gfirst.resize(groups * kKeys);
+    glimit.resize(groups * kKeys);
+    ptile.resize(kKeys * kKeys);
+  }
   void for_fold(int64_t rows, int64_t D, int64_t block_elems) {
     if (!kbuf.empty()) return;
     kt.resize(D * kKeys);
@@ -374,6 +392,111 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
       float a = acc[c];
       for (int j = 0; j < nk; ++j) a += p[j] * v[j * v_stride + c];
       acc[c] = a;
+    }
+  }
+}
+
+// ---- items with many rows per KV head (prompts, GQA groups): rows in the lanes ------------
+// A group of up to kLanes query rows of one KV head (the ISA's vector width: 16 on AVX-512, 8
+// below) folds a chunk of up to 16 keys at a time with the rows in the vector lanes: each key's
+// scores for the group's rows are one vector, the sum over d of K[j][d] (broadcast) * Q^T[d]
+// (Q^T made once per item), four keys at a time so that every Q^T load serves four FMA chains.
+// The online softmax is then lane-wise (a running max and sum per lane, no horizontal
+// reductions), and the chunk's probabilities [key][lane] weight the V rows row by row, in
+// DV-channel accumulators. Lanes past the group's rows are masked (limit -1): probability 0.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vl __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vli __attribute__((vector_size(kLanes * 4)));
+typedef float vl_u __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
+inline vl load_l(const float* p) { return *reinterpret_cast<const vl_u*>(p); }
+inline void store_l(float* p, vl v) { *reinterpret_cast<vl_u*>(p) = v; }
+constexpr int kPvVectors = 64 / kLanes;  // P V accumulators: 64 channels at a time
+
+template <bool kCap>
+inline void fold_lanes(Scratch& s, int64_t grp, int64_t r0, int64_t n_valid, int64_t D,
+                       const float* k, const float* v, int64_t stride, int64_t pos0, int nk,
+                       float cap, float inv_cap) {
+  const float* qt = s.qt.data() + grp * D * kLanes;
+  vl sc[kKeys];
+  int j = 0;
+  for (; j + 4 <= nk; j += 4) {
+    const float* k0 = k + j * stride;
+    const float* k1 = k0 + stride;
+    const float* k2 = k1 + stride;
+    const float* k3 = k2 + stride;
+    vl a0{}, a1{}, a2{}, a3{};
+    for (int64_t d = 0; d < D; ++d) {
+      const vl qv = load_l(qt + d * kLanes);
+      a0 += k0[d] * qv;
+      a1 += k1[d] * qv;
+      a2 += k2[d] * qv;
+      a3 += k3[d] * qv;
+    }
+    sc[j] = a0;
+    sc[j + 1] = a1;
+    sc[j + 2] = a2;
+    sc[j + 3] = a3;
+  }
+  for (; j < nk; ++j) {
+    const float* kj = k + j * stride;
+    vl a{};
+    for (int64_t d = 0; d < D; ++d) a += kj[d] * load_l(qt + d * kLanes);
+    sc[j] = a;
+  }
+  vli first, limit;
+  std::memcpy(&first, s.gfirst.data() + grp * kLanes, sizeof(first));
+  std::memcpy(&limit, s.glimit.data() + grp * kLanes, sizeof(limit));
+  const vl neg_inf = vl{} - std::numeric_limits<float>::infinity();
+  const vl m_old = load_l(s.gm.data() + grp * kLanes);
+  vl mx = m_old;
+  for (j = 0; j < nk; ++j) {
+    vl x = sc[j];
+    if constexpr (kCap) x = soft_cap(x, cap, inv_cap);
+    const int32_t pos = static_cast<int32_t>(pos0 + j);
+    x = (limit >= pos) & (first <= pos) ? x : neg_inf;
+    sc[j] = x;
+    mx = x > mx ? x : mx;
+  }
+  const vl m_safe = mx == neg_inf ? vl{} : mx;        // lanes with no visible key yet
+  const vl alpha = exp_nonpositive(m_old - m_safe);  // 0 on a lane's first visible chunk
+  vl sum{};
+  float* pt = s.ptile.data();
+  for (j = 0; j < nk; ++j) {
+    const vl e = exp_nonpositive(sc[j] - m_safe);
+    store_l(pt + j * kLanes, e);
+    sum += e;
+  }
+  store_l(s.gl.data() + grp * kLanes, load_l(s.gl.data() + grp * kLanes) * alpha + sum);
+  store_l(s.gm.data() + grp * kLanes, mx);
+  for (int64_t i = 0; i < n_valid; ++i) {
+    float* acc = s.acc.data() + (r0 + i) * D;
+    const float a_i = alpha[i];
+    if (a_i != 1.0f)
+      for (int64_t c = 0; c < D; ++c) acc[c] *= a_i;
+    int64_t c0 = 0;
+    for (; c0 + kPvVectors * kLanes <= D; c0 += kPvVectors * kLanes) {
+      vl a[kPvVectors];
+      for (int c = 0; c < kPvVectors; ++c) a[c] = load_l(acc + c0 + c * kLanes);
+      for (int jj = 0; jj < nk; ++jj) {
+        const float w = pt[jj * kLanes + i];
+        const float* vj = v + jj * stride + c0;
+        for (int c = 0; c < kPvVectors; ++c) a[c] += w * load_l(vj + c * kLanes);
+      }
+      for (int c = 0; c < kPvVectors; ++c) store_l(acc + c0 + c * kLanes, a[c]);
+    }
+    for (; c0 + kLanes <= D; c0 += kLanes) {
+      vl a = load_l(acc + c0);
+      for (int jj = 0; jj < nk; ++jj) a += pt[jj * kLanes + i] * load_l(v + jj * stride + c0);
+      store_l(acc + c0, a);
+    }
+    for (; c0 < D; ++c0) {
+      float a = acc[c0];
+      for (int jj = 0; jj < nk; ++jj) a += pt[jj * kLanes + i] * v[jj * stride + c0];
+      acc[c0] = a;
     }
   }
 }
@@ -697,12 +820,36 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             two_pass_dispatch<T, kCap>(D, s, it.head0, it.head1, head_rows, cache, blocks,
                                        num_blocks, BS, c_pos, c_blk, c_kv, key0, n_keys, cap,
                                        inv_cap, in_cache_order);
-        // Each block's K and V rows of the group's heads are first copied (widened) into float
-        // buffers in memory order, which streams them at the memory's speed; the next block
-        // (anywhere in the cache) is prefetched during the copy. The scores and the weighted
-        // sums then read the buffers from L1/L2.
+        // Otherwise block by block: each block's K and V rows of the group's heads are copied
+        // (widened) into float buffers in memory order, which streams them at the memory's
+        // speed, the next block (anywhere in the cache) prefetched meanwhile; the folds then
+        // read the buffers from L1/L2. Many rows per KV head (prompts, GQA groups of a chunk)
+        // fold with the rows in the lanes (fold_lanes, float K/V read in place: the copy cost as
+        // much as the folds of a short prompt's items); few (decode where two_pass_item is not
+        // built) per row (fold_keys).
         const int64_t width = (it.head1 - it.head0) * D;  // the group's part of a position
         if (!done) s.for_fold(max_rows, D, BS * group_size * D);
+        const bool lanes = !done && head_rows >= kDenseMaxRows;
+        const int64_t head_groups = (head_rows + kLanes - 1) / kLanes;
+        if (lanes) {
+          s.for_lanes(head_groups * (it.head1 - it.head0), D);
+          for (int64_t g = it.head0; g < it.head1; ++g) {
+            for (int64_t rg = 0; rg < head_groups; ++rg) {
+              const int64_t grp = (g - it.head0) * head_groups + rg;
+              float* qt = s.qt.data() + grp * D * kLanes;
+              for (int64_t i = 0; i < kLanes; ++i) {
+                const int64_t in_head = rg * kLanes + i;
+                const bool valid = in_head < head_rows;
+                const int64_t row = (g - it.head0) * head_rows + in_head;
+                for (int64_t d = 0; d < D; ++d) qt[d * kLanes + i] = valid ? s.q[row * D + d] : 0.0f;
+                s.gfirst[grp * kLanes + i] = valid ? static_cast<int32_t>(s.first[row]) : 0;
+                s.glimit[grp * kLanes + i] = valid ? static_cast<int32_t>(s.limit[row]) : -1;
+                s.gm[grp * kLanes + i] = -std::numeric_limits<float>::infinity();
+                s.gl[grp * kLanes + i] = 0.0f;
+              }
+            }
+          }
+        }
         const T* group_base = cache + it.head0 * D;
         for (int64_t b = key0 / BS; !done && b * BS < n_keys; ++b) {
           const int64_t block = blocks[b];
@@ -715,9 +862,12 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             const int64_t nb = blocks[b + 1];
             if (nb >= 0 && nb < num_blocks) next = group_base + nb * c_blk;
           }
+          const bool in_place = lanes && std::is_same_v<T, float>;
           for (int64_t j = j_first; j < in_block; ++j) {
-            widen(k_src + j * c_pos, s.kbuf.data() + j * width, width);
-            widen(k_src + c_kv + j * c_pos, s.vbuf.data() + j * width, width);
+            if (!in_place) {
+              widen(k_src + j * c_pos, s.kbuf.data() + j * width, width);
+              widen(k_src + c_kv + j * c_pos, s.vbuf.data() + j * width, width);
+            }
             if (next != nullptr) {
               const char* nk = reinterpret_cast<const char*>(next + j * c_pos);
               for (int64_t off = 0; off < width * static_cast<int64_t>(sizeof(T)); off += 64) {
@@ -731,11 +881,38 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             const float* vg = s.vbuf.data() + (g - it.head0) * D;
             for (int64_t j0 = j_first; j0 < in_block; j0 += kKeys) {
               const int nk = static_cast<int>(std::min<int64_t>(kKeys, in_block - j0));
-              fold_keys<float, kCap>(s, (g - it.head0) * head_rows, head_rows, D,
-                                     kg + j0 * width, vg + j0 * width, width, b * BS + j0, nk,
-                                     cap, inv_cap);
+              if (lanes) {
+                const int64_t grp0 = (g - it.head0) * head_groups;
+                const int64_t row0 = (g - it.head0) * head_rows;
+                // float K/V in place (from the cache), others from the block's float copies
+                const float* kc = kg + j0 * width;
+                const float* vc = vg + j0 * width;
+                int64_t stride = width;
+                if constexpr (std::is_same_v<T, float>) {
+                  if (in_place) {
+                    kc = k_src + (g - it.head0) * D + j0 * c_pos;
+                    vc = kc + c_kv;
+                    stride = c_pos;
+                  }
+                }
+                for (int64_t rg = 0; rg < head_groups; ++rg)
+                  fold_lanes<kCap>(s, grp0 + rg, row0 + rg * kLanes,
+                                   std::min<int64_t>(kLanes, head_rows - rg * kLanes), D, kc, vc,
+                                   stride, b * BS + j0, nk, cap, inv_cap);
+              } else {
+                fold_keys<float, kCap>(s, (g - it.head0) * head_rows, head_rows, D,
+                                       kg + j0 * width, vg + j0 * width, width, b * BS + j0,
+                                       nk, cap, inv_cap);
+              }
             }
           }
+        }
+        if (lanes) {  // the groups' softmax sums back into the rows' s.l
+          for (int64_t g = it.head0; g < it.head1; ++g)
+            for (int64_t in_head = 0; in_head < head_rows; ++in_head)
+              s.l[(g - it.head0) * head_rows + in_head] =
+                  s.gl[((g - it.head0) * head_groups + in_head / kLanes) * kLanes +
+                       in_head % kLanes];
         }
         for (int64_t g = it.head0; g < it.head1; ++g) {
           for (int64_t t = 0; t < it.row1 - it.row0; ++t) {
