@@ -105,9 +105,9 @@ def test_kernel_decode_batches_in_both_read_orders(dtype, heads, kv_heads, head_
                                                    n_requests, window, cap):
     """Decode batches of every size on two threads: one or two requests give work items of
     some of the KV heads (read head by head), more give items of whole position rows, which
-    the two-pass path reads position by position (cache order; AVX-512 builds: below it the
-    copying path serves them all). All match the reference, with a sliding window and with
-    logits soft-capping too."""
+    the two-pass path reads position by position (cache order), on AVX-512 and AVX2 builds
+    alike (vectors of the ISA's width). All match the reference, with a sliding window and
+    with logits soft-capping too."""
     lengths = [(37 * i) % 211 + 1 for i in range(n_requests)]
     query, cache, table, seq_lens, starts = make_batch([(n, 1) for n in lengths], heads,
                                                        kv_heads, head_size, 16, dtype,

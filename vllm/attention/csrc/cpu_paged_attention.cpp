@@ -33,9 +33,10 @@
 // thread busy, since a whole position row (all heads) streams sequentially. Items are handed
 // out longest first from an atomic counter inside at::parallel_for (mixed lengths stay
 // balanced). All arithmetic is float32. An item with few rows per KV head (decode) scores every
-// position first and then adds the weighted V rows (two_pass_item, AVX-512), or runs an online
-// softmax over chunks of 16 keys row by row (fold_keys); one with many (a prompt's chunk, GQA
-// groups) runs the online softmax with its rows in the vector lanes (fold_lanes).
+// position first and then adds the weighted V rows (two_pass_item; head sizes 16-128), or
+// runs an online softmax over chunks of 16 keys row by row (fold_keys); one with many (a
+// prompt's chunk, GQA groups) runs the online softmax with its rows in the vector lanes
+// (fold_lanes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -67,6 +68,29 @@ typedef float vf_u __attribute__((vector_size(64), aligned(4), may_alias));  // 
 inline vf splat(float v) { return vf{} + v; }
 inline vf load_u(const float* p) { return *reinterpret_cast<const vf_u*>(p); }
 inline void store_u(float* p, vf v) { *reinterpret_cast<vf_u*>(p) = v; }
+// The ISA's own vector width (kLanes floats: 16 on AVX-512, 8 below), for the paths written
+// for it (two_pass_item, fold_lanes): a 16-lane vector below AVX-512 is a pair of registers,
+// and arrays of them were kept on the stack.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vl __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vli __attribute__((vector_size(kLanes * 4)));
+typedef float vl_u __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
+inline vl load_l(const float* p) { return *reinterpret_cast<const vl_u*>(p); }
+inline void store_l(float* p, vl v) { *reinterpret_cast<vl_u*>(p) = v; }
+inline float hmax_l(vl v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum_l(vl v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
 inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < kKeys; ++i) m = std::max(m, v[i]);
@@ -229,24 +253,69 @@ inline vf reduce16(const vf* p) {
          __builtin_shuffle(x[0], x[1], vi{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
 }
 
+// kLanes floats widened from T.
+inline vl load_lanes(const float* p) { return load_l(p); }
+inline vl load_lanes(const c10::BFloat16* p) {
+  typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
+  typedef uint32_t vu32 __attribute__((vector_size(kLanes * 4)));
+  vu16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const vu32 wide = __builtin_convertvector(raw, vu32) << 16;
+  vl v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+inline vl load_lanes(const c10::Half* p) {
+  vl v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+// out[j] = sum of the lanes of p[j], for j < kLanes (reduce16 on AVX-512; below it the same
+// three rounds for 8 lanes).
+#if defined(__AVX512F__)
+inline vl reduce_lanes(const vl* p) { return reduce16(p); }
+#else
+inline vl reduce_lanes(const vl* p) {
+  vl v[4], w[2];
+  for (int j = 0; j < 4; ++j) {  // -> lanes 0-3: key j, lanes 4-7: key j + 4
+    const vl a = p[j], b = p[j + 4];
+    v[j] = __builtin_shuffle(a, b, vli{0, 1, 2, 3, 8, 9, 10, 11}) +
+           __builtin_shuffle(a, b, vli{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  for (int j = 0; j < 2; ++j) {  // -> pairs: keys j, j + 2, j + 4, j + 6
+    const vl a = v[j], b = v[j + 2];
+    w[j] = __builtin_shuffle(a, b, vli{0, 1, 8, 9, 4, 5, 12, 13}) +
+           __builtin_shuffle(a, b, vli{2, 3, 10, 11, 6, 7, 14, 15});
+  }
+  return __builtin_shuffle(w[0], w[1], vli{0, 8, 2, 10, 4, 12, 6, 14}) +
+         __builtin_shuffle(w[0], w[1], vli{1, 9, 3, 11, 5, 13, 7, 15});
+}
+#endif
+
+// Scores of one row against kLanes keys `k_stride` elements apart (keys >= nk score 0; the
+// caller masks): a vector dot product per key, then one reduce_lanes.
+template <typename T>
+inline vl scores_lanes(const float* q, int64_t D, const T* k, int64_t k_stride, int nk) {
+  vl p[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    vl a{};
+    if (j < nk) {
+      const T* kj = k + j * k_stride;
+      for (int64_t c = 0; c < D; c += kLanes) a += load_l(q + c) * load_lanes(kj + c);
+    }
+    p[j] = a;
+  }
+  return reduce_lanes(p);
+}
+
 // Scores of one row against a chunk of nk keys (lanes >= nk are zero; the caller masks).
 // Head sizes that are a multiple of 16: a vector dot product per key over K rows `k_stride`
 // elements apart.
 #if defined(__AVX512F__)
-// One 16-lane vector per key, then one reduce16 for the 16 keys. K float (fold_keys' copies),
-// or the cache's own bfloat16 / half rows widened in registers (two_pass_item).
-template <typename T>
-inline vf scores_dense(const float* q, int64_t D, const T* k, int64_t k_stride, int nk) {
-  vf p[kKeys];
-  for (int j = 0; j < kKeys; ++j) {
-    vf a{};
-    if (j < nk) {
-      const T* kj = k + j * k_stride;
-      for (int64_t c = 0; c < D; c += kKeys) a += load_u(q + c) * load16(kj + c);
-    }
-    p[j] = a;
-  }
-  return reduce16(p);
+// One 16-lane vector per key, then one reduce16 for the 16 keys (scores_lanes).
+inline vf scores_dense(const float* q, int64_t D, const float* k, int64_t k_stride, int nk) {
+  return scores_lanes(q, D, k, k_stride, nk);
 }
 #else
 // Below AVX-512 the 16 accumulators of reduce16 are 32 half-vectors, twice the register file:
@@ -404,16 +473,6 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
 // The online softmax is then lane-wise (a running max and sum per lane, no horizontal
 // reductions), and the chunk's probabilities [key][lane] weight the V rows row by row, in
 // DV-channel accumulators. Lanes past the group's rows are masked (limit -1): probability 0.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vl __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vli __attribute__((vector_size(kLanes * 4)));
-typedef float vl_u __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
-inline vl load_l(const float* p) { return *reinterpret_cast<const vl_u*>(p); }
-inline void store_l(float* p, vl v) { *reinterpret_cast<vl_u*>(p) = v; }
 constexpr int kPvVectors = 64 / kLanes;  // P V accumulators: 64 channels at a time
 
 template <bool kCap>
@@ -508,7 +567,7 @@ inline void fold_lanes(Scratch& s, int64_t grp, int64_t r0, int64_t n_valid, int
 // call of the 50M Llama, 8 heads of 64 at 150 positions: 27 us on one thread). Here each KV
 // head's rows are scored against every visible position first, straight from the cache
 // (bfloat16 and half widened in registers), then one max, one exp pass and one sum per row,
-// then the probability-weighted V rows are added, DV vectors of 16 channels per row. Measured
+// then the probability-weighted V rows are added, DV vectors of kLanes channels per row. Measured
 // on the Zen 4 dev machine (AVX-512, bfloat16, one decode row, 8 heads of 64, the call from
 // Python): 150 positions 26.9 -> 14.7 us on one thread, 18.1 -> 12.2 on two; 500 positions
 // 80 -> 42 and 51 -> 25 us; with the cache cold (evicted by the weights, as in a model step)
@@ -522,33 +581,36 @@ inline void fold_lanes(Scratch& s, int64_t grp, int64_t r0, int64_t n_valid, int
 // 1.25-1.34x; 4-8 rows 1.03-1.29x; batch-16 runs of the 50M Llama end to end 1.05x (float32)
 // and 1.11x (bfloat16). Items of some of the heads (1-2 requests on 2 threads) keep the head
 // by head order: cache order measured 0.72-0.87x there (strided slices of each row).
+// Written in vectors of the ISA's width (kLanes; chunks of kLanes keys), it serves AVX2 builds
+// too, where it replaced fold_keys (whose 16-lane vectors are register pairs there): Zen 4 as
+// AVX2, 2 threads, cold, 16 decode rows of 8 heads of 64 at 192 positions float32 1.68-1.90x,
+// bfloat16 1.29x, GQA 14/2 1.39x; one request at 150-1000 positions 1.36-2.35x.
 
-#if defined(__AVX512F__)
 // The item's rows (Scratch `s`: query, first and last visible position set; head_rows rows
 // per KV head, KV heads [head0, head1), row (g - head0) * head_rows + i) against positions
 // [key0, n_keys), whose block ids are `blocks`: leaves each row's unnormalized result in
 // s.acc (zeroed by the caller) and its softmax sum in s.l (the caller divides). Both passes
 // walk the positions in cache order, every KV head of the item at each chunk, so a cold cache
 // streams block by block (the next block prefetched) rather than in strided slices per head.
-// DV = D / 16.
+// DV = D / kLanes.
 template <typename T, bool kCap, int DV>
 void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, const T* cache,
                    const int32_t* blocks, int64_t num_blocks, int64_t BS, int64_t c_pos,
                    int64_t c_blk, int64_t c_kv, int64_t key0, int64_t n_keys, float cap,
                    float inv_cap, bool cache_order) {
-  constexpr int64_t D = DV * kKeys;
+  constexpr int64_t D = DV * kLanes;
   const int64_t n_rows = head_rows * (head1 - head0);
   const int64_t npos = n_keys - key0;
   // a row's scores: npos, then -inf up to a whole vector (+ a vector of slack for the last
   // chunk's full-width store)
-  const int64_t stride = (npos + kKeys - 1) / kKeys * kKeys + kKeys;
+  const int64_t stride = (npos + kLanes - 1) / kLanes * kLanes + kLanes;
   if (static_cast<int64_t>(s.scores.size()) < n_rows * stride) s.scores.resize(n_rows * stride);
-  if (cache_order && static_cast<int64_t>(s.part.size()) < n_rows * kKeys * kKeys)
-    s.part.resize(n_rows * kKeys * kKeys);
+  if (cache_order && static_cast<int64_t>(s.part.size()) < n_rows * kLanes * kLanes)
+    s.part.resize(n_rows * kLanes * kLanes);
   const int64_t width_bytes = (head1 - head0) * D * static_cast<int64_t>(sizeof(T));
-  vi lane;
-  for (int j = 0; j < kKeys; ++j) lane[j] = j;
-  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  vli lane;
+  for (int j = 0; j < kLanes; ++j) lane[j] = j;
+  const vl neg_inf = vl{} - std::numeric_limits<float>::infinity();
   // The item's part of block number b of the sequence (anywhere in the cache), from `base`
   // (K or V), if the sequence reaches it: prefetched a block ahead of the reads.
   const auto prefetch_block = [&](const T* base, const int32_t* ids, int64_t b, int64_t end,
@@ -564,20 +626,20 @@ void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, 
     const int64_t block = blocks[p0 / BS];
     TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
     const int64_t j0 = p0 % BS;
-    const int nk = static_cast<int>(std::min<int64_t>({kKeys, BS - j0, n_keys - p0}));
+    const int nk = static_cast<int>(std::min<int64_t>({kLanes, BS - j0, n_keys - p0}));
     if (j0 == 0) prefetch_block(cache, blocks, p0 / BS + 1, n_keys, head0 * D, width_bytes);
     const T* chunk = cache + block * c_blk + j0 * c_pos;
-    if (cache_order) {  // each key's partial dot products (16 lanes) per row into s.part
+    if (cache_order) {  // each key's partial dot products (kLanes) per row into s.part
       for (int j = 0; j < nk; ++j) {
         for (int64_t g = head0; g < head1; ++g) {
           const T* k = chunk + j * c_pos + g * D;
-          vf kg[DV];
-          for (int c = 0; c < DV; ++c) kg[c] = load16(k + c * kKeys);
+          vl kg[DV];
+          for (int c = 0; c < DV; ++c) kg[c] = load_lanes(k + c * kLanes);
           for (int64_t row = (g - head0) * head_rows; row < (g - head0 + 1) * head_rows; ++row) {
             const float* q = s.q.data() + row * D;
-            vf a = load_u(q) * kg[0];
-            for (int c = 1; c < DV; ++c) a += load_u(q + c * kKeys) * kg[c];
-            store_u(s.part.data() + (row * kKeys + j) * kKeys, a);
+            vl a = load_l(q) * kg[0];
+            for (int c = 1; c < DV; ++c) a += load_l(q + c * kLanes) * kg[c];
+            store_l(s.part.data() + (row * kLanes + j) * kLanes, a);
           }
         }
       }
@@ -587,49 +649,49 @@ void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, 
       const int64_t visible = std::min<int64_t>(nk, s.limit[row] - p0 + 1);
       const int64_t lo = std::max<int64_t>(0, s.first[row] - p0);
       if (visible <= lo) {
-        store_u(out, neg_inf);
+        store_l(out, neg_inf);
         continue;
       }
-      vf score;
+      vl score;
       if (cache_order) {
-        vf part[kKeys];
-        for (int j = 0; j < kKeys; ++j)
-          part[j] = j < nk ? load_u(s.part.data() + (row * kKeys + j) * kKeys) : vf{};
-        score = reduce16(part);
+        vl part[kLanes];
+        for (int j = 0; j < kLanes; ++j)
+          part[j] = j < nk ? load_l(s.part.data() + (row * kLanes + j) * kLanes) : vl{};
+        score = reduce_lanes(part);
       } else {
-        score = scores_dense(s.q.data() + row * D, D, chunk + (head0 + row / head_rows) * D,
+        score = scores_lanes(s.q.data() + row * D, D, chunk + (head0 + row / head_rows) * D,
                              c_pos, nk);
       }
       if constexpr (kCap) score = soft_cap(score, cap, inv_cap);
-      store_u(out, (lane < static_cast<int32_t>(visible)) & (lane >= static_cast<int32_t>(lo))
+      store_l(out, (lane < static_cast<int32_t>(visible)) & (lane >= static_cast<int32_t>(lo))
                        ? score
                        : neg_inf);
     }
     p0 += nk;
   }
   // softmax numerators in place, one max per row
-  const int64_t padded = stride - kKeys;
+  const int64_t padded = stride - kLanes;
   for (int64_t row = 0; row < n_rows; ++row) {
     float* sc = s.scores.data() + row * stride;
     for (int64_t i = npos; i < padded; ++i) sc[i] = -std::numeric_limits<float>::infinity();
-    vf mx = neg_inf;
-    for (int64_t i = 0; i < padded; i += kKeys) {
-      const vf v = load_u(sc + i);
+    vl mx = neg_inf;
+    for (int64_t i = 0; i < padded; i += kLanes) {
+      const vl v = load_l(sc + i);
       mx = v > mx ? v : mx;
     }
-    const float m = hmax(mx);
+    const float m = hmax_l(mx);
     if (m == -std::numeric_limits<float>::infinity()) {  // no visible key: all weights 0
       s.l[row] = 0.0f;
       std::fill(sc, sc + padded, 0.0f);
       continue;
     }
-    vf sum{};
-    for (int64_t i = 0; i < padded; i += kKeys) {
-      const vf e = exp_nonpositive(load_u(sc + i) - m);
-      store_u(sc + i, e);
+    vl sum{};
+    for (int64_t i = 0; i < padded; i += kLanes) {
+      const vl e = exp_nonpositive(load_l(sc + i) - m);
+      store_l(sc + i, e);
       sum += e;
     }
-    s.l[row] = hsum(sum);
+    s.l[row] = hsum_l(sum);
   }
   // pass 2: acc (zero on entry) += sum over positions of p * V, in the same order
   for (int64_t p0 = key0; p0 < n_keys;) {
@@ -642,18 +704,18 @@ void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, 
     for (int64_t j = 0; cache_order && j < nk; ++j) {  // acc rows updated in memory
       for (int64_t g = head0; g < head1; ++g) {
         const T* v = chunk + j * c_pos + g * D;
-        vf vg[DV];
+        vl vg[DV];
         bool loaded = false;
         for (int64_t row = (g - head0) * head_rows; row < (g - head0 + 1) * head_rows; ++row) {
           const float wj = s.scores[row * stride + (p0 - key0) + j];
           if (wj == 0.0f) continue;  // masked (or underflowed): nothing to add
           if (!loaded) {
-            for (int c = 0; c < DV; ++c) vg[c] = load16(v + c * kKeys);
+            for (int c = 0; c < DV; ++c) vg[c] = load_lanes(v + c * kLanes);
             loaded = true;
           }
           float* acc = s.acc.data() + row * D;
           for (int c = 0; c < DV; ++c)
-            store_u(acc + c * kKeys, load_u(acc + c * kKeys) + wj * vg[c]);
+            store_l(acc + c * kLanes, load_l(acc + c * kLanes) + wj * vg[c]);
         }
       }
     }
@@ -661,15 +723,15 @@ void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, 
       const float* w = s.scores.data() + row * stride + (p0 - key0);
       const T* v = chunk + (head0 + row / head_rows) * D;
       float* acc = s.acc.data() + row * D;
-      vf a[DV];
-      for (int c = 0; c < DV; ++c) a[c] = load_u(acc + c * kKeys);
+      vl a[DV];
+      for (int c = 0; c < DV; ++c) a[c] = load_l(acc + c * kLanes);
       for (int64_t j = 0; j < nk; ++j) {
         const float wj = w[j];
         if (wj == 0.0f) continue;  // masked (or underflowed): nothing to add
         const T* vj = v + j * c_pos;
-        for (int c = 0; c < DV; ++c) a[c] += wj * load16(vj + c * kKeys);
+        for (int c = 0; c < DV; ++c) a[c] += wj * load_lanes(vj + c * kLanes);
       }
-      for (int c = 0; c < DV; ++c) store_u(acc + c * kKeys, a[c]);
+      for (int c = 0; c < DV; ++c) store_l(acc + c * kLanes, a[c]);
     }
     p0 += nk;
   }
@@ -682,31 +744,21 @@ bool two_pass_dispatch(int64_t D, Scratch& s, int64_t head0, int64_t head1, int6
                        int64_t c_pos, int64_t c_blk, int64_t c_kv, int64_t key0,
                        int64_t n_keys, float cap, float inv_cap, bool cache_order) {
   switch (D) {
-#define VLLM_TWO_PASS(DV)                                                                  \
-  case DV * kKeys:                                                                         \
-    two_pass_item<T, kCap, DV>(s, head0, head1, head_rows, cache, blocks, num_blocks, BS,  \
-                               c_pos, c_blk, c_kv, key0, n_keys, cap, inv_cap, cache_order); \
+#define VLLM_TWO_PASS(HD)                                                                    \
+  case HD:                                                                                   \
+    two_pass_item<T, kCap, HD / kLanes>(s, head0, head1, head_rows, cache, blocks, num_blocks, \
+                                        BS, c_pos, c_blk, c_kv, key0, n_keys, cap, inv_cap,   \
+                                        cache_order);                                         \
     return true;
-    VLLM_TWO_PASS(1)
-    VLLM_TWO_PASS(2)
-    VLLM_TWO_PASS(4)
-    VLLM_TWO_PASS(8)
+    VLLM_TWO_PASS(16)
+    VLLM_TWO_PASS(32)
+    VLLM_TWO_PASS(64)
+    VLLM_TWO_PASS(128)
 #undef VLLM_TWO_PASS
     default:
       return false;
   }
 }
-#else
-// Below AVX-512 the fold_keys path stays: 16-lane vectors are pairs of registers there, and
-// this path (widening in registers, DV 16-lane accumulators per row) measured ~2x slower than
-// it on the AVX2 build (decode, 8 heads of 64, 150-500 positions).
-template <typename T, bool kCap>
-bool two_pass_dispatch(int64_t, Scratch&, int64_t, int64_t, int64_t, const T*, const int32_t*,
-                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                       float, bool) {
-  return false;
-}
-#endif
 
 template <typename T, bool kCap>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -841,7 +893,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
                 const int64_t in_head = rg * kLanes + i;
                 const bool valid = in_head < head_rows;
                 const int64_t row = (g - it.head0) * head_rows + in_head;
-                for (int64_t d = 0; d < D; ++d) qt[d * kLanes + i] = valid ? s.q[row * D + d] : 0.0f;
+                for (int64_t d = 0; d < D; ++d)
+                  qt[d * kLanes + i] = valid ? s.q[row * D + d] : 0.0f;
                 s.gfirst[grp * kLanes + i] = valid ? static_cast<int32_t>(s.first[row]) : 0;
                 s.glimit[grp * kLanes + i] = valid ? static_cast<int32_t>(s.limit[row]) : -1;
                 s.gm[grp * kLanes + i] = -std::numeric_limits<float>::infinity();
