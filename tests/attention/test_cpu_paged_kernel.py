@@ -61,7 +61,7 @@ def on_two_threads(fn, *args):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_size,block_size",
                          [(4, 4, 16, 4), (14, 2, 64, 16), (8, 1, 32, 8), (4, 2, 128, 16),
-                          (6, 3, 80, 16)])
+                          (6, 3, 80, 16), (4, 2, 40, 16)])
 def test_kernel_matches_reference(dtype, heads, kv_heads, head_size, block_size):
     # decode rows, a fresh prompt, chunks with context (one longer than the kernel's
     # 16-row chunk), a 1-token prompt, a block-aligned sequence

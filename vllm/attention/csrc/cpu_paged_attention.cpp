@@ -168,51 +168,33 @@ struct Item {
 // allocates (nor zeroes) them, ~100 KB per thread a call before.
 struct Scratch {
   std::vector<float> q, acc, m, l;
-  std::vector<float> kt, v, probs, kbuf, vbuf;  // fold_keys' path
+  std::vector<float> kt, probs, kbuf, vbuf;  // fold_keys' and fold_lanes' path
   std::vector<float> scores;  // two_pass_item: [rows][positions]
-  std::vector<float> part;    // two_pass_item in cache order: [rows][16 keys][16 lanes]
+  std::vector<float> part;    // two_pass_item in cache order: [rows][kLanes keys][kLanes]
   std::vector<int64_t> first, limit;  // each row's first and last visible position
   Scratch(int64_t rows, int64_t D)
       : q(rows * D), acc(rows * D), m(rows), l(rows), first(rows), limit(rows) {}
-  // fold_lanes' path: per group of 16 rows Q^T [D][16], running max / sum, visible range
+  // fold_lanes' path: per group of kLanes rows Q^T [D][kLanes], running max and sum, first
+  // and last visible position; the chunk's probabilities [16 keys][kLanes]
   std::vector<float> qt, gm, gl, ptile;
   std::vector<int32_t> gfirst, glimit;
   void for_lanes(int64_t groups, int64_t D) {
-    if (static_cast<int64_t>(gm.size()) >= groups * kKeys) return;
-    qt.resize(groups * D * kKeys);  // kKeys >= the lanes of any ISA
-    gm.resize(groups * kKeys);
-    gl.resize(groups * kKeys);
-    gfirst.resize(groups * kKeys);
-    glimit.resize(groups * kKeys);
-    ptile.resize(kKeys * kKeys);
+    if (static_cast<int64_t>(gm.size()) >= groups * kLanes) return;
+    qt.resize(groups * D * kLanes);
+    gm.resize(groups * kLanes);
+    gl.resize(groups * kLanes);
+    gfirst.resize(groups * kLanes);
+    glimit.resize(groups * kLanes);
+    ptile.resize(kKeys * kLanes);
   }
   void for_fold(int64_t rows, int64_t D, int64_t block_elems) {
     if (!kbuf.empty()) return;
     kt.resize(D * kKeys);
-    v.resize(kKeys * D);
     probs.resize(rows * kKeys);
     kbuf.resize(block_elems);
     vbuf.resize(block_elems);
   }
 };
-
-// 16 float lanes widened from T (float: a plain load).
-inline vf load16(const float* p) { return load_u(p); }
-inline vf load16(const c10::BFloat16* p) {
-  typedef uint16_t vu16 __attribute__((vector_size(32)));
-  typedef uint32_t vu32 __attribute__((vector_size(64)));
-  vu16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  const vu32 wide = __builtin_convertvector(raw, vu32) << 16;
-  vf v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-inline vf load16(const c10::Half* p) {
-  vf v;
-  for (int i = 0; i < kKeys; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
 
 // dst[0:n] = float(src[0:n]).
 // (Plain loops the compiler vectorizes at the ISA's own width: a copy through 16-lane vectors
@@ -356,35 +338,22 @@ inline vf scores_transposed(const float* q, int64_t D, const float* kt) {
   return a0 + a1;
 }
 
-// One chunk of up to kKeys keys at positions pos0 .. pos0 + nk - 1 (rows of K/V given by
-// k_rows / v_rows with stride `row_stride`), folded into every row's online softmax; kCap:
-// scores soft-capped at `cap` first.
-template <typename T, bool kCap>
-inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T* k_rows,
-                      const T* v_rows, int64_t row_stride, int64_t pos0, int nk, float cap,
+// One chunk of up to kKeys keys at positions pos0 .. pos0 + nk - 1 (float rows of K/V given
+// by k_rows / v_rows with stride `row_stride`), folded into the online softmax of each of the
+// item's few rows (fewer than kDenseMaxRows per KV head: fold_lanes takes more); kCap: scores
+// soft-capped at `cap` first.
+template <bool kCap>
+inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const float* k_rows,
+                      const float* v_rows, int64_t row_stride, int64_t pos0, int nk, float cap,
                       float inv_cap) {
-  // Few rows (decode): per-key dot products. Many rows (prompts, GQA groups of a chunk): the
-  // transposition pays for itself.
-  const bool dense = D % kKeys == 0 && n_rows < kDenseMaxRows;
-  // K of the chunk as float: rows [nk][D] (read in place when the cache is float) when dense,
-  // else K^T [D][kKeys] with zero lanes past nk.
-  const float* kf = nullptr;
-  int64_t kf_stride = D;
-  if (dense) {
-    if constexpr (std::is_same_v<T, float>) {
-      kf = k_rows;
-      kf_stride = row_stride;
-    } else {
-      float* buf = s.kt.data();
-      for (int j = 0; j < nk; ++j)
-        for (int64_t c = 0; c < D; c += kKeys) store_u(buf + j * D + c, load16(k_rows + j * row_stride + c));
-      kf = buf;
-    }
-  } else {
+  // Head sizes that are a multiple of 16: per-key dot products over the rows in place; others
+  // through K^T [D][kKeys] (zero lanes past nk).
+  const bool dense = D % kKeys == 0;
+  if (!dense) {
     float* kt = s.kt.data();
     for (int j = 0; j < kKeys; ++j) {
-      const T* k = k_rows + j * row_stride;
-      for (int64_t d = 0; d < D; ++d) kt[d * kKeys + j] = j < nk ? to_float(k[d]) : 0.0f;
+      const float* k = k_rows + j * row_stride;
+      for (int64_t d = 0; d < D; ++d) kt[d * kKeys + j] = j < nk ? k[d] : 0.0f;
     }
   }
   vi lane;
@@ -400,7 +369,7 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
       continue;
     }
     const float* q = s.q.data() + row * D;
-    vf score = dense ? scores_dense(q, D, kf, kf_stride, static_cast<int>(visible))
+    vf score = dense ? scores_dense(q, D, k_rows, row_stride, static_cast<int>(visible))
                      : scores_transposed(q, D, s.kt.data());
     if constexpr (kCap) score = soft_cap(score, cap, inv_cap);
     score = (lane < static_cast<int32_t>(visible)) & (lane >= static_cast<int32_t>(lo))
@@ -417,22 +386,9 @@ inline void fold_keys(Scratch& s, int64_t r0, int64_t n_rows, int64_t D, const T
       for (int64_t c = 0; c < D; ++c) acc[c] *= alpha;
     }
   }
-  // acc += P V: V rows as float (read in place when the cache is float)
-  const float* v;
-  int64_t v_stride;
-  if constexpr (std::is_same_v<T, float>) {
-    v = v_rows;
-    v_stride = row_stride;
-  } else {
-    float* buf = s.v.data();
-    for (int j = 0; j < nk; ++j) {
-      int64_t c = 0;
-      for (; c + kKeys <= D; c += kKeys) store_u(buf + j * D + c, load16(v_rows + j * row_stride + c));
-      for (; c < D; ++c) buf[j * D + c] = to_float(v_rows[j * row_stride + c]);
-    }
-    v = buf;
-    v_stride = D;
-  }
+  // acc += P V
+  const float* v = v_rows;
+  const int64_t v_stride = row_stride;
   for (int64_t row = r0; row < r0 + n_rows; ++row) {
     const float* p = s.probs.data() + row * kKeys;
     float* acc = s.acc.data() + row * D;
@@ -953,7 +909,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
                                    std::min<int64_t>(kLanes, head_rows - rg * kLanes), D, kc, vc,
                                    stride, b * BS + j0, nk, cap, inv_cap);
               } else {
-                fold_keys<float, kCap>(s, (g - it.head0) * head_rows, head_rows, D,
+                fold_keys<kCap>(s, (g - it.head0) * head_rows, head_rows, D,
                                        kg + j0 * width, vg + j0 * width, width, b * BS + j0,
                                        nk, cap, inv_cap);
               }
