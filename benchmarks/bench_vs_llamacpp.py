@@ -65,6 +65,8 @@ LABELS[EXACT] = "llama.cpp, f32 KV, no flash attn"
 SHAPE_LABELS = {"llama-50m": "50M Llama (hidden 512, 8 layers, vocab 32000)",
                 "qwen2.5-0.5b": "Qwen2.5-0.5B shape"}
 CHECK_TOKENS = 8  # leading greedy tokens compared across engines
+# each workload's figure in a worker's result
+WORKLOAD_KEYS = {"b1": "decode_tok_s", "b16": "total_tok_s", "long": "prefill_tok_s"}
 GGML_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml.h's enum ggml_type
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama.h's enum llama_flash_attn_type
 
@@ -125,7 +127,8 @@ def run_ours(args) -> dict:
 
     llm = LLM(model=args.path, dtype=args.dtype, optimization_level=int(args.worker[1:]),
               max_model_len=max(512, args.prompt_len + args.max_tokens,
-                                args.b16_prompt_len + args.b16_max_tokens),
+                                args.b16_prompt_len + args.b16_max_tokens,
+                                args.long_prompt + 1),
               kv_cache_memory="2GiB", max_num_seqs=max(16, args.batch16))
     try:  # -O2/-O3 on CPU prepack their weights in the background after ready
         from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
@@ -181,7 +184,7 @@ def run_llamacpp(args) -> dict:
     def context(n_seq: int, length: int, n: int) -> tuple:
         """A context (and batch) for n_seq sequences of `length` + `n` tokens, made once per
         workload: n_batch holds the whole prompt, n_seq_max = n_seq."""
-        if n_seq not in contexts:
+        if (n_seq, length) not in contexts:
             cparams = lc.llama_context_default_params()
             cparams.n_ctx = n_seq * (length + n + 64)
             cparams.n_batch = n_seq * length
@@ -194,9 +197,9 @@ def run_llamacpp(args) -> dict:
             ctx = lc.llama_init_from_model(model, cparams)
             if not ctx:
                 raise RuntimeError(f"llama.cpp could not create a context for {n_seq} sequences")
-            contexts[n_seq] = (ctx, lc.llama_batch_init(max(cparams.n_batch, n_seq), 0, 1),
-                               cparams)
-        return contexts[n_seq]
+            contexts[(n_seq, length)] = (
+                ctx, lc.llama_batch_init(max(cparams.n_batch, n_seq), 0, 1), cparams)
+        return contexts[(n_seq, length)]
 
     sampler = lc.llama_sampler_init_greedy()
 
@@ -253,7 +256,8 @@ def run_llamacpp(args) -> dict:
 
 
 def measure(args, timed) -> dict:
-    """Warm up, then the timed batch-1 decode and (with --batch16) the batch-16 run."""
+    """Warm up, then the timed batch-1 decode, (with --batch16) the batch-16 run and (with
+    --long-prompt N) the prefill of one N-token prompt (the second of two: the first warms)."""
     timed(1, args.prompt_len, min(4, args.max_tokens))
     run = timed(1, args.prompt_len, args.max_tokens)
     result = {"b1": {"decode_tok_s": (args.max_tokens - 1) / (run["end"] - run["first"]),
@@ -265,6 +269,11 @@ def measure(args, timed) -> dict:
                          / (run["end"] - run["start"]), "total_s": run["end"] - run["start"],
                          "prefill_s": run["first"] - run["start"],
                          "tokens": run["tokens"], "tokens_last": run["tokens_last"]}
+    if args.long_prompt:
+        for _ in range(2):
+            run = timed(1, args.long_prompt, 1)
+        result["long"] = {"prefill_tok_s": args.long_prompt / (run["first"] - run["start"]),
+                          "ttft_s": run["first"] - run["start"]}
     return result
 
 
@@ -422,13 +431,14 @@ def limit_isa(args) -> None:
 
 
 def spawn(args, engine: str, case: dict | None = None, dtype: str = "float32",
-          batch16: bool = False, extra: tuple[str, ...] = ()) -> dict:
+          batch16: bool = False, extra: tuple[str, ...] = (), long_prompt: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--threads",
            str(args.threads), "--dtype", dtype, "--prompt-len", str(args.prompt_len),
            "--max-tokens", str(args.max_tokens), "--batch16", str(16 if batch16 else 0),
            "--b16-prompt-len", str(args.b16_prompt_len), "--b16-max-tokens",
            str(args.b16_max_tokens), "--llamacpp-kv", args.llamacpp_kv,
-           "--llamacpp-flash-attn", args.llamacpp_flash_attn]
+           "--llamacpp-flash-attn", args.llamacpp_flash_attn,
+           "--long-prompt", str(args.long_prompt_len if long_prompt else 0)]
     if case:
         cmd += ["--path", case["path"], "--gguf", case["gguf"]]
     cmd += list(extra)  # overrides (argparse keeps the last value)
@@ -462,8 +472,9 @@ def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: d
     bw = max(bandwidths) if bandwidths else None  # the best reading: the least disturbed
     rows, checks = [], []
     for (shape, dtype), case in cases.items():
-        for workload in (["b1", "b16"] if shape in args.batch16_shapes else ["b1"]):
-            key = "decode_tok_s" if workload == "b1" else "total_tok_s"
+        for workload in (["b1"] + ["b16"] * (shape in args.batch16_shapes)
+                         + ["long"] * (shape in args.long_prompt_shapes)):
+            key = WORKLOAD_KEYS[workload]
             row = {"shape": shape, "dtype": dtype, "workload": workload,
                    "weight_bytes": case["weight_bytes"], "engines": {}}
             for engine in args.engines:
@@ -507,6 +518,8 @@ def summarize(args, cases: dict, runs: dict, bandwidths: list[float], machine: d
             "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "batch16": {"prompt_len": args.b16_prompt_len, "max_tokens": args.b16_max_tokens,
                         "shapes": args.batch16_shapes},
+            "long_prompt": {"prompt_len": args.long_prompt_len,
+                            "shapes": args.long_prompt_shapes},
             "engines": args.engines, "rows": rows, "greedy_check": checks}
 
 
@@ -542,7 +555,10 @@ def markdown(summary: dict) -> str:
         "prompt, greedy, EOS ignored, decode tok/s (first output token to last). Batch 16: "
         f"16 x {summary['batch16']['prompt_len']}-token prompts, "
         f"{summary['batch16']['max_tokens']} new tokens each, total output tok/s including "
-        "the prefill (llama.cpp: the 16 sequences in one llama_batch, n_seq_max=16).",
+        "the prefill (llama.cpp: the 16 sequences in one llama_batch, n_seq_max=16)."
+        + (f" Long prompt: one {summary['long_prompt']['prompt_len']}-token prompt, prefill "
+           "tok/s (prompt tokens / time to the first output token; the second of two runs)."
+           if summary.get("long_prompt", {}).get("shapes") else ""),
         "",
         "| model | dtype | workload | " + " | ".join(LABELS[e] for e in engines)
         + (" | -O2 / llama.cpp |" if "O2" in engines and "llamacpp" in engines else " |"),
@@ -550,8 +566,10 @@ def markdown(summary: dict) -> str:
         + ("---|" if "O2" in engines and "llamacpp" in engines else ""),
     ]
     for r in summary["rows"]:
-        work = ("batch-1 decode tok/s" if r["workload"] == "b1" else
-                "batch-16 total output tok/s incl. prefill")
+        work = {"b1": "batch-1 decode tok/s",
+                "b16": "batch-16 total output tok/s incl. prefill",
+                "long": f"{summary.get('long_prompt', {}).get('prompt_len')}-token prompt "
+                        "prefill tok/s"}[r["workload"]]
         cells = [fmt(r["engines"][e]["tok_s"], ".2f") for e in engines]
         line = (f"| {SHAPE_LABELS.get(r['shape'], r['shape'])} | {r['dtype']} | {work} | "
                 + " | ".join(cells) + " |")
@@ -629,6 +647,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--b16-prompt-len", type=int, default=128)
     parser.add_argument("--b16-max-tokens", type=int, default=128)
+    parser.add_argument("--long-prompt-shapes", nargs="*", default=[],
+                        help="shapes that also run the long-prompt workload: the prefill of one "
+                             "--long-prompt-len-token prompt (time to the first token)")
+    parser.add_argument("--long-prompt-len", type=int, default=1024)
     parser.add_argument("--llamacpp-kv", default="f16", choices=sorted(GGML_TYPES),
                         help="llama.cpp's KV-cache type (default f16, llama.cpp's own default)")
     parser.add_argument("--llamacpp-flash-attn", default="auto", choices=sorted(FLASH_ATTN),
@@ -648,6 +670,7 @@ def main() -> None:
     parser.add_argument("--gguf", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--batch16", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--long-prompt", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--logits-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -659,6 +682,10 @@ def main() -> None:
         if shape not in SHAPE_LABELS:
             raise ValueError(f"shape {shape!r} is not supported; use one of "
                              f"{sorted(SHAPE_LABELS)}")
+    unknown = [s for s in args.long_prompt_shapes if s not in args.shapes]
+    if unknown or args.long_prompt_len < 1:
+        raise ValueError(f"--long-prompt-shapes must be among --shapes {args.shapes} (got "
+                         f"{unknown}) and --long-prompt-len >= 1 (got {args.long_prompt_len})")
     if args.rounds < 1 or args.max_tokens < 2:
         raise ValueError(f"--rounds must be >= 1 and --max-tokens >= 2, got {args.rounds} and "
                          f"{args.max_tokens}")
@@ -699,7 +726,8 @@ def main() -> None:
         order = args.engines[rnd % len(args.engines):] + args.engines[:rnd % len(args.engines)]
         for (shape, dtype), case in cases.items():
             for engine in order:
-                res = spawn(args, engine, case, dtype, shape in args.batch16_shapes)
+                res = spawn(args, engine, case, dtype, shape in args.batch16_shapes,
+                            long_prompt=shape in args.long_prompt_shapes)
                 runs[(shape, dtype, engine)].append(res)
                 if engine == "llamacpp" and "error" not in res:
                     llama_info = {"version": res.get("llama_cpp_python"),
@@ -711,7 +739,9 @@ def main() -> None:
                                  "libraries in LLAMA_CPP_LIB_PATH")
                 brief = res.get("error", "").strip().splitlines()[-1:] or [
                     f"b1 {res['b1']['decode_tok_s']:.2f} tok/s"
-                    + (f", b16 {res['b16']['total_tok_s']:.1f} tok/s" if "b16" in res else "")]
+                    + (f", b16 {res['b16']['total_tok_s']:.1f} tok/s" if "b16" in res else "")
+                    + (f", long prompt {res['long']['prefill_tok_s']:.1f} tok/s"
+                       if "long" in res else "")]
                 print(f"round {rnd + 1}/{args.rounds} {shape} {dtype} {LABELS[engine]}: "
                       f"{brief[0]}", flush=True)
     bw = spawn(args, "bandwidth")

@@ -129,12 +129,13 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     args = SimpleNamespace(engines=list(bench.ENGINES), batch16_shapes=["llama-50m"],
                            llamacpp_kv="f16", llamacpp_flash_attn="auto",
                            threads=2, rounds=3, prompt_len=32, max_tokens=128,
-                           b16_prompt_len=128, b16_max_tokens=128, isa="native")
+                           b16_prompt_len=128, b16_max_tokens=128, isa="native",
+                           long_prompt_shapes=["llama-50m"], long_prompt_len=1024)
     cases = {("llama-50m", "float32"): {"weight_bytes": 100_000_000}}
 
     def run(b1: float, b16: float, rss: float = 1000.0) -> dict:
         return {"b1": {"decode_tok_s": b1, "tokens": [1, 2, 3]}, "b16": {"total_tok_s": b16},
-                "peak_rss_mb": rss, "anon_rss_mb": rss / 2}
+                "long": {"prefill_tok_s": b16 * 4}, "peak_rss_mb": rss, "anon_rss_mb": rss / 2}
 
     runs = {("llama-50m", "float32", "hf"): [run(10, 50)] * 3,
             ("llama-50m", "float32", "llamacpp"): [run(80, 200, 400), run(100, 300, 420),
@@ -148,16 +149,20 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     summary = bench.summarize(args, cases, runs, [20.0, 10.0, 30.0], machine,
                               {"version": "0", "system_info": "AVX2 = 1"},
                               {("llama-50m", "float32"): [1, 2, 9]})
-    b1, b16 = summary["rows"]
+    b1, b16, long = summary["rows"]
     assert b1["engines"]["llamacpp"]["tok_s"] == 90  # the median of the rounds
     assert b1["engines"]["O2"]["vs_llamacpp"] == pytest.approx(0.5)
     assert b16["engines"]["O2"]["vs_llamacpp"] == pytest.approx(2.0)
+    assert long["workload"] == "long" and long["engines"]["llamacpp"]["tok_s"] == 1000
+    assert long["engines"]["O2"]["vs_llamacpp"] == pytest.approx(2.0)
     # 100 MB x 90 tok/s = 9 GB/s of the best bandwidth reading, 30 GB/s
     assert b1["engines"]["llamacpp"]["pct_of_bandwidth"] == pytest.approx(30.0)
     assert b1["engines"]["O2"]["errors"] == ["exit 1: boom"]
     text = bench.markdown(summary)
     assert "ISA AVX2 + FMA" in text and "read bandwidth 30.0 GB/s" in text
     assert "| 0.50x |" in text and "| 2.00x |" in text
+    assert "| 1024-token prompt prefill tok/s | 200.00 | 1000.00 | 400.00 | 2000.00 |" in text
+    assert "one 1024-token prompt, prefill tok/s" in text
     assert "9.00 (30%)" in text and text.count("ours -O2: exit 1: boom") == 1
     # peak and end-of-run RSS: the median over the rounds that ran (the failed one has none)
     assert b1["engines"]["llamacpp"]["peak_rss_mb"] == 410
