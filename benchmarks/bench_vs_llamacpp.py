@@ -14,7 +14,9 @@ they see the same machine state; every figure is the median over the rounds:
 Workloads: batch-1 decode tokens/s (128 new tokens after a 32-token prompt, greedy, EOS
 ignored; (tokens - 1) over first output token to last), and batch 16 x 128-token prompts,
 total output tokens/s with the prefill included (llama.cpp: the 16 sequences share one
-llama_batch, n_seq_max=16, prefilled together, then one token per sequence per decode call).
+llama_batch, n_seq_max=16, prefilled together, then one token per sequence per decode call);
+with --long-prompt-shapes, also the prefill of one --long-prompt-len-token prompt (default
+1024), prompt tokens over the time to the first output token (the second of two runs).
 The machine's read bandwidth is measured in the same run (a >1 GiB float32 sum and gemv with
 the same thread count, best of 5 each, once per round; the best reading counts); batch-1
 decode is also given as the weight-read rate (weight bytes read per token x tokens/s) in % of

@@ -3,8 +3,12 @@
 Two references, both transformers' Llama on the dequantized twin of the checkpoint
 (`fp8_checkpoints.make_fp8_llama`, float32):
   - with the same FP8 quantization of every linear layer's input (hooks): our model must match
-    it closely (the weights and the activation quantization are the same; only the GEMM's
-    summation order differs);
+    it closely (the weights and the activation quantization are the same; only the summation
+    order of the GEMMs and the attention differs). Not exactly: a float32 difference of an
+    ulp or two moves an activation across an FP8 rounding boundary about once in 30,000
+    elements (boundaries 1/16 apart relative, inputs 1e-6 apart), and such a flip changes
+    that element by up to 1/8 and every later position's logits a little (one at position 9
+    of the block-scaled model: 0.14 at most, 0.015 on average, logits up to 5);
   - without it: within FP8 tolerance (activations rounded to 3 mantissa bits).
 """
 from __future__ import annotations
@@ -68,7 +72,9 @@ def test_fp8_checkpoint_matches_dequantized_reference(tmp_path, layout, weights,
     assert model.lm_head.weight.dtype == torch.float32  # lm_head stays unquantized
 
     same_quant = reference_logits(ckpt, fake_quant=True)
-    torch.testing.assert_close(ours, same_quant, rtol=0, atol=0.05)
+    diff, size = (ours - same_quant).abs(), same_quant.abs().max()
+    # a rounding flip or two (module docstring); a wrong scale or layout moves every logit
+    assert diff.mean() <= 0.01 * size and diff.max() <= 0.06 * size, (diff.mean(), diff.max())
     assert (ours.argmax(-1) == same_quant.argmax(-1)).float().mean() >= 0.95
 
     plain = reference_logits(ckpt, fake_quant=False)
