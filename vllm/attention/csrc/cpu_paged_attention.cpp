@@ -81,24 +81,17 @@ typedef int32_t vli __attribute__((vector_size(kLanes * 4)));
 typedef float vl_u __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
 inline vl load_l(const float* p) { return *reinterpret_cast<const vl_u*>(p); }
 inline void store_l(float* p, vl v) { *reinterpret_cast<vl_u*>(p) = v; }
-inline float hmax_l(vl v) {
+// The largest and the sum of the lanes of a float vector (vf or vl).
+template <typename V>
+inline float hmax(V v) {
   float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  for (int i = 1; i < static_cast<int>(sizeof(V) / 4); ++i) m = std::max(m, v[i]);
   return m;
 }
-inline float hsum_l(vl v) {
+template <typename V>
+inline float hsum(V v) {
   float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < kKeys; ++i) m = std::max(m, v[i]);
-  return m;
-}
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < kKeys; ++i) s += v[i];
+  for (int i = 0; i < static_cast<int>(sizeof(V) / 4); ++i) s += v[i];
   return s;
 }
 
@@ -635,7 +628,7 @@ void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, 
       const vl v = load_l(sc + i);
       mx = v > mx ? v : mx;
     }
-    const float m = hmax_l(mx);
+    const float m = hmax(mx);
     if (m == -std::numeric_limits<float>::infinity()) {  // no visible key: all weights 0
       s.l[row] = 0.0f;
       std::fill(sc, sc + padded, 0.0f);
@@ -647,7 +640,7 @@ void two_pass_item(Scratch& s, int64_t head0, int64_t head1, int64_t head_rows, 
       store_l(sc + i, e);
       sum += e;
     }
-    s.l[row] = hsum_l(sum);
+    s.l[row] = hsum(sum);
   }
   // pass 2: acc (zero on entry) += sum over positions of p * V, in the same order
   for (int64_t p0 = key0; p0 < n_keys;) {
