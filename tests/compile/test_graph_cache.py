@@ -81,6 +81,25 @@ def test_runner_evaluates_sources_per_call_and_weights_once():
         runner((torch.arange(1),), {})
 
 
+def test_runner_binds_arguments_as_the_signature_does():
+    """The runner's own binding (no inspect.bind per call) gives the same locals as binding
+    the forward's signature, defaults filled; calls the signature rejects still raise its
+    TypeError."""
+    model, runner, _ = make_runner()
+    sig = inspect.signature(Plain.forward)
+    ids = torch.arange(3)
+    for args, kwargs in [((ids,), {}), ((ids, 3.0), {}), ((ids,), {"extra": 1}),
+                         ((), {"input_ids": ids, "scale": 1.0}), ((ids, 1.0, None), {}),
+                         ((), {"extra": 2, "input_ids": ids})]:
+        bound = sig.bind(model, *args, **kwargs)
+        bound.apply_defaults()
+        assert runner.locals_for(args, kwargs) == dict(bound.arguments), (args, kwargs)
+    for args, kwargs in [((), {}), ((ids, 1.0, None, 4), {}), ((ids,), {"input_ids": ids}),
+                         ((ids,), {"other": 1})]:
+        with pytest.raises(TypeError):
+            runner.locals_for(args, kwargs)
+
+
 def test_runner_guards_dtype_dim_and_constants():
     _, runner, _ = make_runner()
     with pytest.raises(GuardMismatch, match="int32 dim 1, saved int64 dim 1"):

@@ -52,6 +52,8 @@ class CachedGraphRunner:
         self.globals = globals_
         self.self_name = record["self"]
         self.arg_names = [a[0] for a in record["args"]]
+        self.defaults = {name: p.default for name, p in signature.parameters.items()
+                         if p.default is not p.empty}
         self.args = record["args"]
         self.sources: list[str] = record["sources"]
         self.kinds: list[str] = record["kinds"]
@@ -140,10 +142,17 @@ class CachedGraphRunner:
         return graph_args
 
     def locals_for(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        if not kwargs and len(args) == len(self.arg_names):
+        # Positional arguments, the rest by name or left to their defaults (the model runner's
+        # calls): no binding (inspect's bind and apply_defaults cost ~9 us a step).
+        if len(args) <= len(self.arg_names):
             locals_ = dict(zip(self.arg_names, args))
-            locals_[self.self_name] = self.model
-            return locals_
+            rest = self.arg_names[len(args):]
+            if all(name in kwargs or name in self.defaults for name in rest) and all(
+                    name in rest for name in kwargs):
+                for name in rest:
+                    locals_[name] = kwargs[name] if name in kwargs else self.defaults[name]
+                locals_[self.self_name] = self.model
+                return locals_
         bound = self.signature.bind(self.model, *args, **kwargs)
         bound.apply_defaults()
         return dict(bound.arguments)
