@@ -94,16 +94,19 @@ def check_attention() -> int:
     cases = 0
     requests = [(9, 1), (0, 7), (5, 3), (30, 1), (13, 40), (0, 1), (15, 1)]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for heads, kv_heads, head_size, block_size in [(4, 4, 16, 4), (14, 2, 64, 16),
-                                                       (8, 1, 40, 8)]:
+        # (the last: a sliding window and soft-capping, in the lanes and two-pass paths)
+        for heads, kv_heads, head_size, block_size, window, cap in [
+                (4, 4, 16, 4, None, None), (14, 2, 64, 16, None, None),
+                (8, 1, 40, 8, None, None), (8, 8, 64, 16, 24, 20.0)]:
             query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads,
                                                                head_size, block_size, dtype)
             scale = 1 / math.sqrt(head_size)
             reqs = torch.arange(len(requests))
             out = torch.full(query.shape, 7.0, dtype=dtype)
             ref = torch.zeros(query.shape, dtype=dtype)
-            paged_attention(query, cache, table, seq_lens, starts, reqs, scale, out)
-            paged_attention_reference(query, cache, table, seq_lens, starts, reqs, scale, ref)
+            paged_attention(query, cache, table, seq_lens, starts, reqs, scale, out, window, cap)
+            paged_attention_reference(query, cache, table, seq_lens, starts, reqs, scale, ref,
+                                      window, cap)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
             cases += 1
