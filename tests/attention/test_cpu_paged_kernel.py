@@ -179,6 +179,10 @@ def test_kernel_rejects_a_short_block_table():
     with pytest.raises(RuntimeError, match="blocks"):
         paged_attention(query, cache, table[:, :2], seq_lens, starts, torch.tensor([0]), 0.25,
                         torch.empty(query.shape))
+    # positions are int32 in the kernel's lanes: a length past that is refused, named
+    with pytest.raises(RuntimeError, match="seq_len 2147483648 is over"):
+        paged_attention(query, cache, table, torch.tensor([1 << 31]), starts,
+                        torch.tensor([0]), 0.25, torch.empty(query.shape))
 
 
 def test_write_and_attend_writes_then_attends():

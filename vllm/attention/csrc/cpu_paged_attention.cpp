@@ -156,12 +156,14 @@ struct Item {
   int64_t cost;
 };
 
-// Per-thread scratch, sized for the largest work item of the call. The buffers only
-// fold_keys' path uses are sized when it first runs (`for_fold`): a decode call never
-// allocates (nor zeroes) them, ~100 KB per thread a call before.
+// Per-thread scratch, sized for the largest work item of the call. The buffers of one path
+// are sized when it first runs (`for_fold`, `for_copies`, `for_lanes`): a decode call never
+// allocates (nor zeroes) the others, ~100 KB per thread a call before, nor a float32 prompt
+// the block copies it does not make.
 struct Scratch {
   std::vector<float> q, acc, m, l;
-  std::vector<float> kt, probs, kbuf, vbuf;  // fold_keys' and fold_lanes' path
+  std::vector<float> kt, probs;  // fold_keys
+  std::vector<float> kbuf, vbuf;  // the block's float K/V copies (fold_keys, fold_lanes)
   std::vector<float> scores;  // two_pass_item: [rows][positions]
   std::vector<float> part;    // two_pass_item in cache order: [rows][kLanes keys][kLanes]
   std::vector<int64_t> first, limit;  // each row's first and last visible position
@@ -180,10 +182,13 @@ struct Scratch {
     glimit.resize(groups * kLanes);
     ptile.resize(kKeys * kLanes);
   }
-  void for_fold(int64_t rows, int64_t D, int64_t block_elems) {
-    if (!kbuf.empty()) return;
+  void for_fold(int64_t rows, int64_t D) {
+    if (!probs.empty()) return;
     kt.resize(D * kKeys);
     probs.resize(rows * kKeys);
+  }
+  void for_copies(int64_t block_elems) {  // the block's float K/V (not when read in place)
+    if (!kbuf.empty()) return;
     kbuf.resize(block_elems);
     vbuf.resize(block_elems);
   }
@@ -762,6 +767,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     const int64_t ql = starts[r + 1] - starts[r];
     const int64_t ctx = lens[r] - ql;
     TORCH_CHECK(ql >= 0 && ctx >= 0, "request ", r, ": query_len ", ql, " > seq_len ", lens[r]);
+    TORCH_CHECK(lens[r] < (int64_t{1} << 31), "request ", r, ": seq_len ", lens[r],
+                " is over 2^31 - 1 positions");
     for (int64_t row0 = 0; row0 < ql; row0 += kRowChunk) {
       const int64_t row1 = std::min(ql, row0 + kRowChunk);
       const int64_t keys = ctx + row1;
@@ -829,8 +836,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
         // much as the folds of a short prompt's items); few (decode where two_pass_item is not
         // built) per row (fold_keys).
         const int64_t width = (it.head1 - it.head0) * D;  // the group's part of a position
-        if (!done) s.for_fold(max_rows, D, BS * group_size * D);
         const bool lanes = !done && head_rows >= kDenseMaxRows;
+        const bool in_place = lanes && std::is_same_v<T, float>;
+        if (!done && !lanes) s.for_fold(max_rows, D);
+        if (!done && !in_place) s.for_copies(BS * group_size * D);
         const int64_t head_groups = (head_rows + kLanes - 1) / kLanes;
         if (lanes) {
           s.for_lanes(head_groups * (it.head1 - it.head0), D);
@@ -864,7 +873,6 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             const int64_t nb = blocks[b + 1];
             if (nb >= 0 && nb < num_blocks) next = group_base + nb * c_blk;
           }
-          const bool in_place = lanes && std::is_same_v<T, float>;
           for (int64_t j = j_first; j < in_block; ++j) {
             if (!in_place) {
               widen(k_src + j * c_pos, s.kbuf.data() + j * width, width);
