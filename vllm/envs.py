@@ -20,6 +20,17 @@ def _flag(name: str, default: str = "0") -> bool:
                          "0 (also true/false, yes/no, on/off)") from None
 
 
+def _whole_number(name: str, default: int) -> int:
+    """A whole number >= 0 from variable `name` (unset or empty: `default`); anything else is
+    a ValueError naming the variable and the value."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name}={os.environ.get(name)!r} is not a whole number >= 0")
+    return int(raw)
+
+
 def _cache_root() -> str:
     if "VLLM_CACHE_ROOT" in os.environ:
         return os.path.expanduser(os.environ["VLLM_CACHE_ROOT"])
@@ -45,6 +56,9 @@ _GETTERS = {
     # Weights, packed copies and KV cache of 2 MiB or more in transparent huge pages
     # (vllm/utils/hugepages.py; on by default where the kernel offers them).
     "VLLM_CPU_HUGE_PAGES": lambda: _flag("VLLM_CPU_HUGE_PAGES", "1"),
+    # MiB of freed memory glibc's malloc keeps for the next step's large activations
+    # (vllm/utils/cpu_malloc.py; 0 leaves malloc as it is).
+    "VLLM_CPU_MALLOC_TOP_PAD_MB": lambda: _whole_number("VLLM_CPU_MALLOC_TOP_PAD_MB", 1024),
     # OpenMP wait policy set on `import vllm` before torch's (vllm/utils/omp_env.py).
     "VLLM_CPU_OMP_WAIT_POLICY": lambda: os.environ.get("VLLM_CPU_OMP_WAIT_POLICY") or "auto",
     # Attention backend by name (default: the platform's choice).

@@ -150,6 +150,10 @@ class Worker:
         self._init_distributed()
         if device.type == "cpu":
             self._init_cpu_threads()
+            from vllm import envs
+            from vllm.utils.cpu_malloc import keep_freed_memory
+
+            keep_freed_memory(envs.VLLM_CPU_MALLOC_TOP_PAD_MB << 20)
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.model_runner = ModelRunner(self.vllm_config, device,
                                         is_driver=self.rank == output_rank(self.vllm_config))
