@@ -23,7 +23,12 @@ from vllm.utils import cpu_malloc
 libc = cpu_malloc._glibc()
 before = cpu_malloc.heap_top_free(libc)
 kept = cpu_malloc.keep_freed_memory({pad})
-after = cpu_malloc.heap_top_free(libc)
+# the heap's next growth (small blocks until it grows, as the engine's start-up does) takes
+# the pad: up to 256 MiB of 64 KiB blocks, kept until the end
+held, after = [], before
+while len(held) < 4096 and after < {pad}:
+    held.append(bytearray(64 << 10))
+    after = cpu_malloc.heap_top_free(libc)
 # a large tensor carved from the heap's free top: written, freed, its pages stay resident
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 t = torch.empty(40 << 18, dtype=torch.float32)  # 40 MiB: glibc would map it on its own
@@ -51,7 +56,7 @@ def probe(tmp_path, pad: int, **env) -> dict:
 
 
 @glibc_only
-def test_the_heap_grows_by_the_pad_at_once_and_serves_large_tensors(tmp_path, monkeypatch):
+def test_the_heap_grows_by_the_pad_and_serves_large_tensors(tmp_path, monkeypatch):
     for name in cpu_malloc.USER_MALLOC_ENV:
         monkeypatch.delenv(name, raising=False)
     pad = 256 << 20
@@ -69,9 +74,9 @@ def test_a_users_own_malloc_settings_and_a_zero_pad_leave_malloc_alone(tmp_path,
     for name in cpu_malloc.USER_MALLOC_ENV:
         monkeypatch.delenv(name, raising=False)
     off = probe(tmp_path, 0)
-    assert off["kept"] is False and off["after"] == pytest.approx(off["before"], abs=1 << 20)
+    assert off["kept"] is False and off["after"] < (16 << 20)
     mine = probe(tmp_path, 256 << 20, MALLOC_TOP_PAD_="65536")
-    assert mine["kept"] is False and mine["after"] < (256 << 20)
+    assert mine["kept"] is False and mine["after"] < (16 << 20)
 
 
 def test_the_pad_variable_is_checked_by_name(monkeypatch):

@@ -6,20 +6,22 @@ a mapping of its own and unmaps it on free. A prefill's large activations are ex
 every step mapped them afresh and the kernel faulted in and zeroed each 4 KiB page on first
 touch, inside whichever op wrote the tensor first. Measured on the Zen 4 dev machine (2 vCPUs,
 as AVX2): a compiled SiluMul over [2048, 9728] float32 took 16-19 ms, 5 ms with the memory
-kept; the 0.5B shape's 2048-token prefill 8.5 -> 7.5-7.9 s.
+kept.
 
 `keep_freed_memory(pad)` sets malloc's top pad (M_TOP_PAD): each time the main heap grows it
 grows by `pad` more than asked, and a free returns memory to the kernel only past `pad` bytes
-of free space at the heap's top, so large tensors are carved from that space and given back
-to it (pages stay resident: the process keeps up to `pad` bytes of freed memory). It also fixes
-the mapping threshold at glibc's largest (32 MiB) so allocations below it come from the heap
-from the start, and makes the heap grow once right away (an allocation larger than the free
-space at its top, below the threshold, freed again): a large allocation with too little free
-space at the top is mapped, not taken from a grown heap, so until the heap's next growth the
-pad would not serve it. Only the main arena's heap grows by the pad: allocations of threads with an
-arena of their own (the engine thread of `VLLM_ENABLE_MULTIPROCESSING=0`) keep glibc's
-behaviour. A user's own MALLOC_TOP_PAD_, MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES wins, and
-VLLM_CPU_MALLOC_TOP_PAD_MB=0 leaves malloc as it is; other C libraries are left alone.
+of free space at the heap's top. Large tensors are then carved from that free space (malloc
+maps a block of its own only when the heap cannot serve it) and given back to it, their pages
+staying resident: the process keeps up to `pad` bytes of freed memory. It takes effect at the
+heap's next growth, which the engine's start-up brings long before the first request. Measured
+as AVX2 (fresh processes, interleaved; `benchmarks/bench_malloc_pad.py`): the 0.5B shape's
+batch-16 prefill of 16 x 128 tokens 8.4-8.7 -> 7.7-7.8 s, its decode steps unchanged
+(104.9-108.0 ms against 106.2-106.8). Fixing the mapping threshold at glibc's largest (32 MiB)
+as well made decode steps ~4% slower: glibc's own threshold is kept. Only the main arena's heap
+grows by the pad: allocations of threads with an arena of their own (the engine thread of
+`VLLM_ENABLE_MULTIPROCESSING=0`) keep glibc's behaviour. A user's own MALLOC_TOP_PAD_,
+MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES wins, and VLLM_CPU_MALLOC_TOP_PAD_MB=0 leaves malloc as
+it is; other C libraries are left alone.
 """
 from __future__ import annotations
 
@@ -31,11 +33,7 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# mallopt parameters (glibc's malloc.h)
-M_TOP_PAD = -2
-M_MMAP_THRESHOLD = -3
-# the largest mapping threshold mallopt accepts on 64-bit glibc (HEAP_MAX_SIZE / 2)
-MAX_MMAP_THRESHOLD = 32 << 20
+M_TOP_PAD = -2  # mallopt's parameter (glibc's malloc.h)
 # What a user may have set for glibc's malloc themselves (then we change nothing).
 USER_MALLOC_ENV = ("MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
@@ -59,28 +57,6 @@ def heap_top_free(libc) -> int | None:
     return int(info().keepcost)
 
 
-def _grow_heap(libc, pad: int) -> None:
-    """Make the main heap grow now (by `pad` more than asked, the pad being set): allocations
-    below the mapping threshold, each larger than the free space left at the top, then free
-    them all (they were carved from the top in order and go back to it)."""
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = (ctypes.c_size_t,)
-    libc.free.argtypes = (ctypes.c_void_p,)
-    held = []
-    try:
-        for _ in range(pad // (MAX_MMAP_THRESHOLD // 2) + 2):
-            top = heap_top_free(libc)
-            if top is None or top >= pad:
-                break
-            block = libc.malloc(min(top + 4096, MAX_MMAP_THRESHOLD - 4096))
-            if not block:
-                break
-            held.append(block)
-    finally:
-        for block in held:
-            libc.free(block)
-
-
 def _glibc():
     """The process's C library when it is glibc (it has mallopt and names its version)."""
     if not sys.platform.startswith("linux"):
@@ -96,9 +72,8 @@ def _glibc():
 
 
 def keep_freed_memory(pad_bytes: int) -> bool:
-    """Set malloc's top pad to `pad_bytes` (and the mapping threshold to 32 MiB); True when
-    glibc took both. Called once per CPU worker process; later calls return the first's
-    answer."""
+    """Set malloc's top pad to `pad_bytes`; True when glibc took it. Called once per CPU
+    worker process; later calls return the first's answer."""
     global _applied
     if _applied is not None:
         return _applied > 0
@@ -109,8 +84,7 @@ def keep_freed_memory(pad_bytes: int) -> bool:
     if libc is None:
         return False
     pad = min(pad_bytes, 2**31 - 1)  # (mallopt takes an int)
-    if libc.mallopt(M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD) and libc.mallopt(M_TOP_PAD, pad):
+    if libc.mallopt(M_TOP_PAD, pad):
         _applied = pad
-        _grow_heap(libc, pad)
         logger.debug("malloc keeps up to %d MiB of freed memory for reuse", pad >> 20)
     return _applied > 0
