@@ -1,12 +1,12 @@
 """Freed activation memory kept in the process for the next step (glibc's malloc, CPU workers).
 
-glibc's malloc gives an allocation of 32 MiB or more (from 128 KiB until the first such free)
-a mapping of its own and unmaps it on free. A prefill's large activations are exactly that
-(the Qwen2.5-0.5B shape at 2048 tokens: gate_up's output 80 MB, the activation's 40 MB), so
-every step mapped them afresh and the kernel faulted in and zeroed each 4 KiB page on first
-touch, inside whichever op wrote the tensor first. Measured on the Zen 4 dev machine (2 vCPUs,
-as AVX2): a compiled SiluMul over [2048, 9728] float32 took 16-19 ms, 5 ms with the memory
-kept.
+glibc's malloc maps a block of its own for an allocation at or above its mapping threshold
+(128 KiB, raised by the frees of such blocks up to 32 MiB) and unmaps it on free. A
+prefill's large activations are such blocks (the Qwen2.5-0.5B shape at 2048 tokens: gate_up's
+output 80 MB, the activation's 40 MB), so every step mapped them afresh and the kernel
+faulted in and zeroed each 4 KiB page on first touch, inside whichever op wrote the tensor
+first. Measured on the Zen 4 dev machine (2 vCPUs, as AVX2): a compiled SiluMul over
+[2048, 9728] float32 took 16-19 ms, 5 ms with the memory kept.
 
 `keep_freed_memory(pad)` sets malloc's top pad (M_TOP_PAD): each time the main heap grows it
 grows by `pad` more than asked, and a free returns memory to the kernel only past `pad` bytes
@@ -20,8 +20,8 @@ batch-16 prefill of 16 x 128 tokens 8.4-8.7 -> 7.7-7.8 s, its decode steps uncha
 as well made decode steps ~4% slower: glibc's own threshold is kept. Only the main arena's heap
 grows by the pad: allocations of threads with an arena of their own (the engine thread of
 `VLLM_ENABLE_MULTIPROCESSING=0`) keep glibc's behaviour. A user's own MALLOC_TOP_PAD_,
-MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES wins, and VLLM_CPU_MALLOC_TOP_PAD_MB=0 leaves malloc as
-it is; other C libraries are left alone.
+MALLOC_MMAP_THRESHOLD_ or glibc.malloc tunables (GLIBC_TUNABLES) win, and
+VLLM_CPU_MALLOC_TOP_PAD_MB=0 leaves malloc as it is; other C libraries are left alone.
 """
 from __future__ import annotations
 
@@ -34,8 +34,15 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 M_TOP_PAD = -2  # mallopt's parameter (glibc's malloc.h)
-# What a user may have set for glibc's malloc themselves (then we change nothing).
-USER_MALLOC_ENV = ("MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+# Variables by which a user tunes glibc's malloc themselves (then we change nothing), besides
+# glibc.malloc.* in GLIBC_TUNABLES.
+USER_MALLOC_ENV = ("MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_")
+
+
+def users_malloc_settings() -> bool:
+    """Whether the environment tunes glibc's malloc itself."""
+    return (any(os.environ.get(name) for name in USER_MALLOC_ENV)
+            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""))
 
 _applied: int | None = None
 
@@ -78,7 +85,7 @@ def keep_freed_memory(pad_bytes: int) -> bool:
     if _applied is not None:
         return _applied > 0
     _applied = 0
-    if pad_bytes <= 0 or any(os.environ.get(name) for name in USER_MALLOC_ENV):
+    if pad_bytes <= 0 or users_malloc_settings():
         return False
     libc = _glibc()
     if libc is None:
