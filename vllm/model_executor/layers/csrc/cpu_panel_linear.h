@@ -216,16 +216,15 @@ inline void panel_tile(const T* w, int64_t K, const float* xt, int64_t k0, int64
     }
     vf wv[V];
     for (int p = 0; p < NP; ++p) panel_line(wk + p * panel_stride, wv + p * kPanelVecs);
-#if !defined(__AVX512F__)
-    // float32 weight vectors stay in registers: where registers were free (tiles of fewer
-    // than 6 rows) GCC made the weight a memory operand of every FMA, so a step loaded each
-    // line once per row, and AVX2 CPUs load two vectors a cycle: a 4-row tile took as long as
-    // a 6-row one. The 0.5B shape's products, cold, paired, as AVX2: 7-16 rows 1.06-1.07x.
-    // (bfloat16 widens in registers anyway: 0.98-1.00x; AVX-512 builds: the 13-row wide tile
-    // measured 0.63x with it.)
-    if constexpr (std::is_same_v<T, float>)
-      for (int i = 0; i < V; ++i) asm("" : "+x"(wv[i]));
-#endif
+    // float32 weight vectors stay in registers: where registers were free (tiles of few rows)
+    // GCC made each weight vector a memory operand of every FMA, so a step loaded the line once
+    // per row, and these CPUs load two 32-byte vectors a cycle: on AVX2 a 4-row tile took as
+    // long as a 6-row one. The 0.5B shape's products, cold, paired: as AVX2 7-16 rows
+    // 1.06-1.07x; AVX-512 28-64 rows (a 4-row tile after the 12-row ones) 1.02-1.03x.
+    // (bfloat16 widens in registers anyway: 0.98-1.00x; the AVX-512 wide tile of one panel
+    // broadcasts x from memory instead, and pinned its weight measured 0.63x at 13 rows.)
+    if constexpr (std::is_same_v<T, float> && (kVecBytes == 32 || NP == 2))
+      for (int i = 0; i < V; ++i) asm("" : "+v"(wv[i]));
     const float* xk = xt + k * MR;
     for (int r = 0; r < MR; ++r) {
       const float xv = xk[r];
