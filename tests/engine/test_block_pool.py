@@ -47,12 +47,39 @@ def test_block_zero_reserved_and_ref_counts():
     pool.check_invariants()
 
 
-def test_lru_order_of_reuse():
+def test_lru_order_of_reuse_for_cache_entries():
     pool = BlockPool(5)
     a, b, c, d = pool.get_new_blocks(4)
+    for i, blk in enumerate((a, b, c, d)):
+        pool.cache_full_block(blk, 100 + i, [i], None)
     pool.free_blocks([c, a, d, b])
     assert [blk.block_id for blk in pool.get_new_blocks(4)] == [c.block_id, a.block_id,
                                                                 d.block_id, b.block_id]
+
+
+def test_blocks_holding_nothing_are_reused_first_and_before_never_used_ones():
+    pool = BlockPool(8)
+    a, b, c = pool.get_new_blocks(3)  # blocks 1-3; 4-7 never handed out
+    pool.cache_full_block(a, 7, [1, 2], None)
+    pool.free_blocks([a, b, c])
+    # b and c hold no cache entry: next out, the last freed first, then the never-used
+    # blocks; the cache entry a stays until last
+    got = [blk.block_id for blk in pool.get_new_blocks(6)]
+    assert got == [c.block_id, b.block_id, 4, 5, 6, 7]
+    assert pool.find_cached_block(7, [1, 2], None) is a
+    pool.check_invariants()
+
+
+def test_reset_puts_the_former_cache_entries_first():
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(3)
+    for i, blk in enumerate(blocks):
+        pool.cache_full_block(blk, 50 + i, [i], None)
+    pool.free_blocks(blocks)
+    assert pool.reset_prefix_cache()
+    # written blocks with nothing to keep now, in their old order, before blocks 4-7
+    assert [blk.block_id for blk in pool.get_new_blocks(7)] == [1, 2, 3, 4, 5, 6, 7]
+    pool.check_invariants()
 
 
 def test_free_cached_block_is_revived_then_evicted_lru():
