@@ -42,25 +42,20 @@ print(json.dumps({{"kept": kept, "before": before, "after": after, "faults": fau
 """
 
 
-def probe(tmp_path, pad: int, **env) -> dict:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+def probe(monkeypatch, pad: int, **env) -> dict:
+    """PROBE's answer in a fresh process with `env` set for it alone."""
+    with monkeypatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
         return json.loads(run_fresh(PROBE.format(pad=pad), ROOT).strip().splitlines()[-1])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @glibc_only
-def test_the_heap_grows_by_the_pad_and_serves_large_tensors(tmp_path, monkeypatch):
+def test_the_heap_grows_by_the_pad_and_serves_large_tensors(monkeypatch):
     for name in (*cpu_malloc.USER_MALLOC_ENV, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     pad = 256 << 20
-    got = probe(tmp_path, pad)
+    got = probe(monkeypatch, pad)
     assert got["kept"] is True and got["again"] is True
     assert got["before"] < pad <= got["after"]
     # 48 MiB written: mapped afresh they would fault ~12k 4 KiB pages (or 24 huge pages);
@@ -70,17 +65,17 @@ def test_the_heap_grows_by_the_pad_and_serves_large_tensors(tmp_path, monkeypatc
 
 
 @glibc_only
-def test_a_users_own_malloc_settings_and_a_zero_pad_leave_malloc_alone(tmp_path, monkeypatch):
+def test_a_users_own_malloc_settings_and_a_zero_pad_leave_malloc_alone(monkeypatch):
     for name in (*cpu_malloc.USER_MALLOC_ENV, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
-    off = probe(tmp_path, 0)
+    off = probe(monkeypatch, 0)
     assert off["kept"] is False and off["after"] < (16 << 20)
-    mine = probe(tmp_path, 256 << 20, MALLOC_TOP_PAD_="65536")
+    mine = probe(monkeypatch, 256 << 20, MALLOC_TOP_PAD_="65536")
     assert mine["kept"] is False and mine["after"] < (16 << 20)
-    tunable = probe(tmp_path, 256 << 20, GLIBC_TUNABLES="glibc.malloc.top_pad=65536")
+    tunable = probe(monkeypatch, 256 << 20, GLIBC_TUNABLES="glibc.malloc.top_pad=65536")
     assert tunable["kept"] is False and tunable["after"] < (16 << 20)
     # another library's tunables are not malloc's: the pad still applies
-    other = probe(tmp_path, 256 << 20, GLIBC_TUNABLES="glibc.cpu.x86_rep_movsb_threshold=4096")
+    other = probe(monkeypatch, 256 << 20, GLIBC_TUNABLES="glibc.cpu.x86_rep_movsb_threshold=4096")
     assert other["kept"] is True and other["after"] >= (256 << 20)
 
 
@@ -98,7 +93,7 @@ def test_the_pad_variable_is_checked_by_name(monkeypatch):
 
 @glibc_only
 @pytest.mark.parametrize("pad_mb", ["64", "0"])
-def test_the_cpu_worker_keeps_freed_memory_as_the_variable_says(tmp_path, monkeypatch, pad_mb):
+def test_the_cpu_worker_keeps_freed_memory_as_the_variable_says(monkeypatch, pad_mb):
     for name in (*cpu_malloc.USER_MALLOC_ENV, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_CPU_MALLOC_TOP_PAD_MB", pad_mb)
