@@ -32,17 +32,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from bench_vs_llamacpp import AVX2_ENV  # noqa: E402  (what --isa avx2 sets)
+from process_memory import anon_rss_mb, peak_rss_mb  # noqa: E402
+
 VARIANTS = {"pad": {}, "no_pad": {"VLLM_CPU_MALLOC_TOP_PAD_MB": "0"}}
-AVX2_ENV = {"VLLM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
-            "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -79,7 +72,7 @@ def child(args: argparse.Namespace) -> None:
             engine.step()
             decode.append(time.perf_counter() - start)
     print(json.dumps({"prefill_s": sum(prefill), "decode_step_ms": statistics.median(decode) * 1e3,
-                      "rss_anon_mb": _status_mb("RssAnon"), "peak_rss_mb": _status_mb("VmHWM")}))
+                      "rss_anon_mb": anon_rss_mb(), "peak_rss_mb": peak_rss_mb()}))
 
 
 def run_variant(args: argparse.Namespace, path: str, variant: str) -> dict:

@@ -103,8 +103,8 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each; blocks reaching 0 join the LRU tail in the given order
-        (pass the blocks to evict first first)."""
+        """Drop one reference each; cache entries reaching 0 join the LRU tail in the given
+        order (pass the blocks to evict first first), other blocks the head."""
         for block in blocks:
             if block.block_id == self.NULL_BLOCK_ID:
                 raise ValueError("the reserved block 0 is never freed")
