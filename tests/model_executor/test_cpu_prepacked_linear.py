@@ -107,6 +107,29 @@ def test_background_prepacking_registers_every_queued_weight():
         torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_background_prepacking_carves_the_panels_from_one_arena(monkeypatch):
+    """The background thread's panel copies sit back to back in one huge-page arena
+    (vllm/utils/hugepages.py), each the plain product's."""
+    from vllm.utils import hugepages
+
+    monkeypatch.setattr(hugepages, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.delenv("VLLM_CPU_HUGE_PAGES", raising=False)
+    weights = [torch.randn(96, 40), torch.randn(33, 40), torch.randn(64, 24)]
+    assert all(cpl.prepack_in_background(w) for w in weights)
+    cpl.wait_for_prepacking()
+    panels = [torch.ops.vllm_cpu_linear.packed_of(w) for w in weights]
+    assert panels[0].data_ptr() % hugepages.HUGE_PAGE_BYTES == 0
+    for w, prev, nxt in zip(weights, panels, panels[1:]):
+        room = hugepages.HugePageArena.room(cpl.panel_shape(w), w.dtype)
+        assert nxt.data_ptr() == prev.data_ptr() + room
+    for w in weights:
+        x = torch.randn(ROWS, w.shape[1])
+        assert linear_route(x, w) == "packed"
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    del weights, panels
+    gc.collect()
+
+
 def test_no_reordering_while_the_engine_loads():
     """Reorders running while the engine still loads (weight copies, the KV cache's zero
     fill) oversubscribed the cores with two OpenMP teams: 4 s more to ready on the Qwen2.5-0.5B
@@ -148,9 +171,9 @@ def test_finishing_in_background_does_not_wait_and_the_thread_ends_by_itself(cap
                for _ in range(3)]
     original = cpl.prepack
 
-    def gated_prepack(weight):  # hold the thread until the finish request was made
+    def gated_prepack(weight, arena):  # hold the thread until the finish request was made
         gate.wait(timeout=30)
-        return original(weight)
+        return original(weight, arena)
 
     cpl.prepack = gated_prepack
     try:

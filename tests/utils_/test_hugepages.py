@@ -2,6 +2,7 @@
 huge pages: vllm/utils/hugepages.py and where the engine allocates them."""
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -9,7 +10,13 @@ import torch
 import torch.nn as nn
 
 from vllm.utils import hugepages
-from vllm.utils.hugepages import HUGE_PAGE_BYTES, cpu_zeros
+from vllm.utils.hugepages import (
+    ARENA_ALIGN,
+    ARENA_MIN_MAPPING,
+    HUGE_PAGE_BYTES,
+    HugePageArena,
+    cpu_zeros,
+)
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="transparent huge pages are a Linux feature")
@@ -118,10 +125,107 @@ def test_thp_mode_is_read_from_the_bracketed_word(tmp_path, monkeypatch):
     assert read() == ""
 
 
+def vma_rss_kb(address: int) -> int:
+    """Resident KiB of the mapping holding `address`."""
+    return int(vma_flags(address)["Rss"].split()[0])
+
+
+def from_arena(t: torch.Tensor) -> bool:
+    """Carved from a HugePageArena mapping (a buffer's memory: a storage that cannot grow)
+    rather than torch's allocator."""
+    return not t.untyped_storage().resizable()
+
+
 @linux_only
-def test_materialized_cpu_parameters_are_in_huge_page_mappings(thp_mode):
-    """The model loader's parameters: large ones mapped for huge pages (ties kept), small
-    ones plain."""
+def test_arena_carves_tensors_back_to_back_each_its_own(thp_mode):
+    """Cache-line aligned, one after another, zero-filled, each with its own storage and
+    version counter (the prepacked-copy registry keys on both)."""
+    thp_mode("madvise")
+    arena = HugePageArena(1 << 20)
+    a = arena.zeros((3, 5), torch.float32)  # 60 bytes
+    b = arena.zeros((7,), torch.bfloat16)
+    c = arena.zeros((100, 3), torch.int8)
+    assert all(from_arena(t) for t in (a, b, c))
+    assert b.data_ptr() - a.data_ptr() == ARENA_ALIGN and c.data_ptr() - b.data_ptr() == 64
+    assert a.data_ptr() % HUGE_PAGE_BYTES == 0 and c.data_ptr() % ARENA_ALIGN == 0
+    assert a.untyped_storage().nbytes() == 60 and c.untyped_storage().nbytes() == 300
+    assert HugePageArena.room((3, 5), torch.float32) == ARENA_ALIGN
+    assert not (a.any() or b.any() or c.any())
+    a.fill_(3.0)
+    assert a.sum().item() == 45.0 and not b.any()
+    assert a._version > 0 and b._version == 0 and c._version == 0
+
+
+@linux_only
+def test_arena_maps_more_when_full(thp_mode):
+    thp_mode("madvise")
+    arena = HugePageArena(HUGE_PAGE_BYTES)
+    first = arena.zeros((HUGE_PAGE_BYTES - 100,), torch.uint8)
+    second = arena.zeros((1000,), torch.uint8)  # no room left in the first mapping
+    third = arena.zeros((1000,), torch.uint8)
+    assert second.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert second.data_ptr() != first.data_ptr()  # (both start a mapping)
+    assert third.data_ptr() == second.data_ptr() + 1024
+    huge = arena.zeros((ARENA_MIN_MAPPING + 1,), torch.uint8)  # larger than a new mapping
+    huge[-1] = 1
+    assert huge.sum().item() == 1
+
+
+@linux_only
+def test_arena_tails_and_small_tensors_are_advised(thp_mode):
+    """What cpu_zeros leaves in small pages (a tensor under 2 MiB, a large one's tail) is
+    advised in an arena: the whole mapping is."""
+    if hugepages.transparent_huge_pages.__wrapped__() != "madvise":
+        pytest.skip("needs THP mode madvise to tell advised from not")
+    thp_mode("madvise")
+    arena = HugePageArena(4 * HUGE_PAGE_BYTES)
+    small = arena.zeros((HUGE_PAGE_BYTES // 2,), torch.uint8)
+    large = arena.zeros((3 * HUGE_PAGE_BYTES // 2,), torch.uint8)
+    small.fill_(1)
+    large.fill_(1)
+    assert vma_flags(small.data_ptr()).get("THPeligible") == "1"
+    assert vma_flags(large.data_ptr() + large.numel() - 1).get("THPeligible") == "1"
+
+
+@linux_only
+def test_arena_gives_back_a_dead_tensors_pages_and_unmaps_when_all_are_gone(thp_mode):
+    """A tensor dropped before its neighbours (a weight replaced after loading) leaves no
+    resident memory behind; the mapping goes with its last tensor and the arena."""
+    thp_mode("madvise")
+    mib = 1 << 20
+    arena = HugePageArena(32 * mib)
+    first = arena.zeros((12 * mib,), torch.uint8)
+    second = arena.zeros((12 * mib,), torch.uint8)
+    first.fill_(1)
+    second.fill_(2)
+    view = second[5:]
+    address = second.data_ptr()
+    before = vma_rss_kb(address)
+    assert before >= 24 * 1024
+    del first
+    gc.collect()
+    assert vma_rss_kb(address) <= before - 10 * 1024
+    del second
+    gc.collect()
+    assert view.sum().item() == 2 * (12 * mib - 5)  # a view keeps its memory
+    del view, arena
+    gc.collect()
+    assert "Rss" not in vma_flags(address)
+
+
+def test_arena_without_huge_pages_is_torch_zeros(thp_mode, monkeypatch):
+    thp_mode("never")
+    t = HugePageArena(1 << 20).zeros((4, 4), torch.float32)
+    assert not from_arena(t) and not t.any()
+    thp_mode("madvise")
+    monkeypatch.setenv("VLLM_CPU_HUGE_PAGES", "0")
+    assert not from_arena(HugePageArena().zeros((4, 4), torch.float32))
+
+
+@linux_only
+def test_materialized_cpu_parameters_share_one_huge_page_arena(thp_mode):
+    """The model loader's parameters, large and small, carved from one arena in module order
+    (ties kept, each parameter its own storage)."""
     from vllm.model_executor.model_loader import materialize
 
     thp_mode("madvise")
@@ -129,10 +233,15 @@ def test_materialized_cpu_parameters_are_in_huge_page_mappings(thp_mode):
         model = nn.Module()
         model.big = nn.Linear(1024, 1024, bias=True)  # 4 MiB weight, 4 KiB bias
         model.tied = nn.Linear(1024, 1024, bias=False)
+        model.small = nn.Linear(8, 8, bias=False)
     model.tied.weight = model.big.weight
     materialize(model, "cpu")
-    assert in_own_mapping(model.big.weight)
-    assert model.tied.weight is model.big.weight
-    assert model.big.bias.untyped_storage().nbytes() == 1024 * 4
-    model.big.weight.data.copy_(torch.ones(1024, 1024))  # the loader's write
-    assert model.big.weight.sum().item() == 1024 * 1024
+    weight, bias = model.big.weight, model.big.bias
+    assert model.tied.weight is weight
+    assert all(from_arena(p) for p in model.parameters())
+    assert weight.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert bias.data_ptr() == weight.data_ptr() + 1024 * 1024 * 4
+    assert model.small.weight.data_ptr() == bias.data_ptr() + 1024 * 4
+    weight.data.copy_(torch.ones(1024, 1024))  # the loader's write
+    assert weight.sum().item() == 1024 * 1024 and not bias.any()
+    assert bias._version == 0

@@ -31,6 +31,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.custom_op import warn_unused_custom_ops
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.registry import ModelRegistry
+from vllm.utils.hugepages import HugePageArena
 
 logger = init_logger(__name__)
 
@@ -112,8 +113,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
-    """Replace meta parameters by uninitialised ones on `device`, keeping ties (a shared
-    Parameter stays shared) and attributes (weight_loader, shard_ids, ...); move buffers."""
+    """Replace meta parameters by ones on `device` for the loader to fill, keeping ties (a
+    shared Parameter stays shared) and attributes (weight_loader, shard_ids, ...); move
+    buffers. On the CPU they are zero-filled and carved from one HugePageArena, small ones and
+    large ones' tails included (vllm/utils/hugepages.py: decode streams every weight each
+    step); elsewhere not initialised."""
+    arena = None
+    if torch.device(device).type == "cpu":
+        arena = HugePageArena(sum(HugePageArena.room(p.shape, p.dtype)
+                                  for p in model.parameters()))  # (ties counted once)
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
@@ -121,7 +129,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
                 continue
             new = replaced.get(id(param))
             if new is None:
-                new = nn.Parameter(_empty_param(param, device), requires_grad=False)
+                new = nn.Parameter(_empty_param(param, device, arena), requires_grad=False)
                 new.__dict__.update(param.__dict__)
                 replaced[id(param)] = new
             module._parameters[name] = new
@@ -134,14 +142,11 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
             module._buffers[name] = buf.to(device)
 
 
-def _empty_param(param: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Storage for `param` on `device`, for the loader to fill: on the CPU zero-filled, a large
-    one in transparent huge pages (vllm/utils/hugepages.py: decode streams every weight each
-    step); elsewhere not initialised."""
-    if torch.device(device).type == "cpu":
-        from vllm.utils.hugepages import cpu_zeros
-
-        return cpu_zeros(param.shape, param.dtype)
+def _empty_param(param: torch.Tensor, device: torch.device | str,
+                 arena: HugePageArena | None) -> torch.Tensor:
+    """Storage for `param`: from the CPU's `arena`, else uninitialised on `device`."""
+    if arena is not None:
+        return arena.zeros(param.shape, param.dtype)
     return torch.empty_like(param, device=device)
 
 

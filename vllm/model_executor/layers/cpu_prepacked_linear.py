@@ -53,7 +53,7 @@ from vllm.model_executor.layers.cpu_linear import (
     dispatch_linear,
     small_m_linear_available,
 )
-from vllm.utils.hugepages import cpu_zeros, huge_pages_enabled
+from vllm.utils.hugepages import HugePageArena, cpu_zeros, huge_pages_enabled
 
 logger = init_logger(__name__)
 
@@ -83,10 +83,12 @@ def panel_shape(weight: torch.Tensor) -> tuple[int, int, int]:
     return (-(-n // PANEL_COLUMNS), k, PANEL_COLUMNS)
 
 
-def prepack(weight: torch.Tensor) -> bool:
+def prepack(weight: torch.Tensor, arena: HugePageArena | None = None) -> bool:
     """Pack `weight` [out, in] into column panels (a bfloat16 weight where the build packs no
     bfloat16 panels: oneDNN's reorder of it) and register the copy with the dispatcher; False
-    when the weight is not eligible (`can_prepack`)."""
+    when the weight is not eligible (`can_prepack`). The panels are carved from `arena` where
+    one is given (the background thread's: all the model's copies in shared huge-page
+    mappings), else mapped on their own (`cpu_zeros`)."""
     if not can_prepack(weight):
         return False
     version = weight._version
@@ -96,7 +98,9 @@ def prepack(weight: torch.Tensor) -> bool:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
         else:
             # (read each step as the weight is: in huge pages, vllm/utils/hugepages.py)
-            packed = cpu_zeros(panel_shape(weight), weight.dtype)
+            shape = panel_shape(weight)
+            packed = (arena.zeros(shape, weight.dtype) if arena is not None
+                      else cpu_zeros(shape, weight.dtype))
             torch.ops.vllm_cpu_linear.pack_panels_out(weight.detach(), packed)
     if weight._version != version:  # changed in place while it was packed
         return False
@@ -117,6 +121,8 @@ class _Prepacker(threading.Thread):
     def __init__(self) -> None:
         super().__init__(name="vllm-prepack", daemon=True)
         self.jobs: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self.panel_bytes = 0
+        """The bytes the queued weights' panels take (the arena's first mapping)."""
         self.done = 0
         self.finish_requested: float | None = None
         """perf_counter() when the end marker was queued (the engine reported ready)."""
@@ -124,12 +130,13 @@ class _Prepacker(threading.Thread):
         """Set at interpreter exit: the weights still queued are dropped."""
 
     def run(self) -> None:
+        arena = HugePageArena(self.panel_bytes)
         while True:
             weight = self.jobs.get()
             if weight is None or self.cancelled:
                 break
             try:
-                self.done += prepack(weight)
+                self.done += prepack(weight, arena)
             except Exception:  # the weight keeps its unpacked routes
                 logger.warning("prepacking a %s weight failed; it stays unpacked",
                                tuple(weight.shape), exc_info=True)
@@ -159,6 +166,7 @@ def prepack_in_background(weight: torch.Tensor) -> bool:
     with _prepacker_lock:
         if _prepacker is None:
             _prepacker = _Prepacker()
+        _prepacker.panel_bytes += HugePageArena.room(panel_shape(weight), weight.dtype)
         _prepacker.jobs.put(weight)
     return True
 
