@@ -151,3 +151,22 @@ def test_scaled_mm_only_for_the_layouts_it_takes():
     assert not grouped.scaled_mm_fits(256, 512, torch.bfloat16)
     assert not Fp8LinearMethod("block", act_static=False, block_size=(128, 128)).scaled_mm_fits(
         256, 512, torch.bfloat16)
+
+
+def test_dequantized_cpu_weights_are_carved_from_a_huge_page_arena(tmp_path, monkeypatch):
+    """The CPU path's dequantized linear weights are made after loading: they go to the
+    loader's huge-page arena as the loaded weights do (vllm/utils/hugepages.py), one after
+    another, instead of torch's allocator (4 KiB pages)."""
+    from vllm.utils import hugepages
+
+    monkeypatch.setattr(hugepages, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.delenv("VLLM_CPU_HUGE_PAGES", raising=False)
+    ckpt = make_fp8_llama(tmp_path / "h", layout="fp8", weights="tensor", activations="dynamic",
+                          dtype="float32")
+    _, model = our_logits(ckpt.path)
+    attn = model.model.layers[0].self_attn
+    qkv, o = attn.qkv_proj.weight, attn.o_proj.weight
+    assert qkv.dtype == torch.float32 and attn.qkv_proj.quant_method.gemm == "dequant"
+    assert not qkv.untyped_storage().resizable() and not o.untyped_storage().resizable()
+    room = hugepages.HugePageArena.room(qkv.shape, qkv.dtype)
+    assert o.data_ptr() == qkv.data_ptr() + room

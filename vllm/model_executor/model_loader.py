@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.custom_op import warn_unused_custom_ops
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.registry import ModelRegistry
-from vllm.utils.hugepages import HugePageArena
+from vllm.utils.hugepages import HugePageArena, weight_arena
 
 logger = init_logger(__name__)
 
@@ -64,12 +64,13 @@ def get_model(vllm_config: Any, load_format: str | None = "auto") -> nn.Module:
         initialize_dummy_weights(model, seed=getattr(model_config, "seed", 0))
     else:
         load_safetensors_weights(model, files)
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-        elif isinstance(module, ParallelLMHead):
-            module.process_weights_after_loading()
+    with weight_arena():  # (CPU weights the processing makes: hugepages.weight_zeros)
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+            elif isinstance(module, ParallelLMHead):
+                module.process_weights_after_loading()
     warn_unused_custom_ops(model, vllm_config.compilation_config.custom_ops)
     if getattr(model, "attention_layers", None) is None:
         from vllm.attention.layer import collect_attention_layers

@@ -27,16 +27,20 @@ every byte but a mapping's last partial huge page is in huge pages. Measured (Ze
 AVX2): the 32 layer linears of a 50M batch-1 step 3.72 -> 3.00 ms (one 104 MB product of the
 same bytes: 2.87 ms); the whole decode step, paired in one process, 0.96x the time (float32),
 0.95x (bfloat16; AVX-512 0.97x / 0.95x). The model loader (`materialize`) and the weight
-prepacker allocate through one.
+prepacker allocate through one, and weights made after loading (an FP8 checkpoint's
+dequantized linears: `weight_zeros`) through the loader's `weight_arena`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import math
 import mmap
 import sys
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -174,3 +178,27 @@ class HugePageArena:
             self._capacity = 0
             buffer = self._mapping.carve(nbytes)
         return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+_current_arena: contextvars.ContextVar[HugePageArena | None] = contextvars.ContextVar(
+    "vllm_weight_arena", default=None)
+
+
+@contextlib.contextmanager
+def weight_arena(capacity: int = 0) -> Iterator[HugePageArena]:
+    """A HugePageArena that `weight_zeros` carves from inside the block (the model loader's,
+    around the weights' processing after loading)."""
+    arena = HugePageArena(capacity)
+    token = _current_arena.set(arena)
+    try:
+        yield arena
+    finally:
+        _current_arena.reset(token)
+
+
+def weight_zeros(shape: tuple[int, ...] | list[int] | torch.Size,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor for a weight made after loading: from the current
+    `weight_arena`, else `cpu_zeros`."""
+    arena = _current_arena.get()
+    return arena.zeros(shape, dtype) if arena is not None else cpu_zeros(shape, dtype)

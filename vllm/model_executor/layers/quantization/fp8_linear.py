@@ -210,7 +210,13 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.act_static:
             # Fold the static activation scale into the weight: y = q @ (w * s_x)^T.
             w32 = w32 * layer.input_scale.data
-        layer.weight = nn.Parameter(w32.to(dtype), requires_grad=False)
+        if weight.device.type == "cpu":  # in huge pages, as loaded weights (utils/hugepages.py)
+            from vllm.utils.hugepages import weight_zeros
+
+            dequantized = weight_zeros(w32.shape, dtype).copy_(w32)
+        else:
+            dequantized = w32.to(dtype)
+        layer.weight = nn.Parameter(dequantized, requires_grad=False)
 
     def scaled_mm_fits(self, n: int, k: int, out_dtype: torch.dtype) -> bool:
         """What torch._scaled_mm takes on CUDA: a scale per tensor or per row of either operand
