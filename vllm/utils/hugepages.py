@@ -24,9 +24,10 @@ A model's weights are many tensors, most of them no whole number of huge pages (
 2 MiB): one mapping each left 37% of its float32 layer weights (70% in bfloat16) in 4 KiB
 pages. `HugePageArena` carves them one after another out of shared mappings advised whole, so
 every byte but a mapping's last partial huge page is in huge pages. Measured (Zen 4, built as
-AVX2): the 32 layer linears of a 50M batch-1 step 3.72 -> 3.00 ms (one 104 MB product of the
-same bytes: 2.87 ms); the whole decode step, paired in one process, 0.96x the time (float32),
-0.95x (bfloat16; AVX-512 0.97x / 0.95x). The model loader (`materialize`) and the weight
+AVX2): the 32 layer linears of a 50M batch-1 step called back to back 3.06-3.72 -> 2.71-3.00
+ms (one 104 MB product of the same bytes: 2.55-2.87 ms); a whole batch-1 decode step, paired
+in one engine (benchmarks/bench_weight_arena.py), 0.98-0.99x the time. The model loader
+(`materialize`) and the weight
 prepacker allocate through one, and weights made after loading (an FP8 checkpoint's
 dequantized linears: `weight_zeros`) through the loader's `weight_arena`.
 """
