@@ -170,3 +170,37 @@ def test_dequantized_cpu_weights_are_carved_from_a_huge_page_arena(tmp_path, mon
     assert not qkv.untyped_storage().resizable() and not o.untyped_storage().resizable()
     room = hugepages.HugePageArena.room(qkv.shape, qkv.dtype)
     assert o.data_ptr() == qkv.data_ptr() + room
+
+
+def test_dequantized_cpu_products_take_the_cpu_linear_kernels(tmp_path, monkeypatch):
+    """On the CPU the dequantized GEMM is the plain weights' path (not F.linear, which in
+    bfloat16 is oneDNN's slow one-row GEMM): eager through `dispatch_linear`; compiled through
+    the opaque CPU linear op, with the weight prepacked at -O2 as plain weights are."""
+    from vllm.model_executor.layers.cpu_linear import cpu_linear_op, small_m_linear_available
+    from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
+    from vllm.model_executor.layers.quantization import fp8_linear
+
+    ckpt = make_fp8_llama(tmp_path / "k", layout="fp8", weights="tensor", activations="dynamic",
+                          dtype="float32")
+    calls = []
+
+    def counting(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return torch.nn.functional.linear(x, weight, bias)
+
+    monkeypatch.setattr(fp8_linear, "dispatch_linear", counting)
+    _, model = our_logits(ckpt.path)  # -O0
+    assert model.model.layers[0].self_attn.qkv_proj.quant_method.cpu_op is None
+    assert len(calls) >= 4 * len(model.model.layers)  # qkv, o, gate_up, down of every layer
+
+    config = VllmConfig(model_config=ModelConfig(model=ckpt.path, dtype="float32"),
+                        optimization_level=2)
+    compiled = get_model(config)
+    method = compiled.model.layers[0].self_attn.qkv_proj.quant_method
+    assert method.gemm == "dequant" and method.cpu_op is cpu_linear_op()
+    wait_for_prepacking()
+    weight = compiled.model.layers[0].self_attn.qkv_proj.weight
+    if small_m_linear_available():
+        assert torch.ops.vllm_cpu_linear.packed_of(weight) is not None
+    x = torch.randn(3, weight.shape[1])
+    torch.testing.assert_close(method._linear(x, weight), x @ weight.t(), rtol=1e-4, atol=1e-4)

@@ -25,11 +25,17 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from vllm.logger import init_logger
 from vllm.model_executor.kernels.fp8_ops import FP8_DTYPE
-from vllm.model_executor.layers.linear import LinearMethodBase, copy_checked, set_weight_attrs
+from vllm.model_executor.layers.cpu_linear import dispatch_linear
+from vllm.model_executor.layers.linear import (
+    LinearMethodBase,
+    compiled_with_opaque_linears,
+    copy_checked,
+    prepacking_wanted,
+    set_weight_attrs,
+)
 from vllm.model_executor.layers.quantization.input_quant_fp8 import GroupShape, QuantFP8
 
 logger = init_logger(__name__)
@@ -134,6 +140,11 @@ class Fp8LinearMethod(LinearMethodBase):
         self.weight_scale_name = weight_scale_name
         self.gemm = "unset"
         self.quant = QuantFP8(act_static, act_group_shape)
+        # The dequantized CPU GEMM goes through the CPU linear kernels, as plain weights do
+        # (UnquantizedLinearMethod): compiled, the opaque op and (-O2/-O3) a prepacked copy
+        self.compiled = compiled_with_opaque_linears()
+        self.want_prepack = prepacking_wanted()
+        self.cpu_op: Any = None
 
     # ---- construction and loading ------------------------------------------------------
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
@@ -217,6 +228,14 @@ class Fp8LinearMethod(LinearMethodBase):
         else:
             dequantized = w32.to(dtype)
         layer.weight = nn.Parameter(dequantized, requires_grad=False)
+        if (self.compiled and weight.device.type == "cpu"
+                and dtype in (torch.float32, torch.bfloat16)):
+            from vllm.model_executor.layers.cpu_linear import cpu_linear_op
+            from vllm.model_executor.layers.cpu_prepacked_linear import prepack_in_background
+
+            self.cpu_op = cpu_linear_op()
+            if self.want_prepack:
+                prepack_in_background(layer.weight)
 
     def scaled_mm_fits(self, n: int, k: int, out_dtype: torch.dtype) -> bool:
         """What torch._scaled_mm takes on CUDA: a scale per tensor or per row of either operand
@@ -252,13 +271,23 @@ class Fp8LinearMethod(LinearMethodBase):
                     bias: torch.Tensor | None) -> torch.Tensor:
         dtype = layer.weight.dtype
         if self.act_static:  # the scale is folded into the weight
-            return F.linear(q.to(dtype), layer.weight, bias)
+            return self._linear(q.to(dtype), layer.weight, bias)
         if self.act_group_shape.is_per_group:
             g = self.act_group_shape.col
             x = (q.to(torch.float32).unflatten(-1, (-1, g)) * scale.unsqueeze(-1)).flatten(-2)
-            return F.linear(x.to(dtype), layer.weight, bias)
-        out = (F.linear(q.to(dtype), layer.weight) * scale).to(dtype)
+            return self._linear(x.to(dtype), layer.weight, bias)
+        out = (self._linear(q.to(dtype), layer.weight) * scale).to(dtype)
         return out if bias is None else out + bias
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The dequantized product: compiled on the CPU the opaque CPU linear op, else
+        `dispatch_linear` (the CPU kernels in eager mode; `F.linear` elsewhere and in traced
+        code). On the CPU a bfloat16 F.linear would be oneDNN's GEMM, which reads the weight
+        at about half the bandwidth at one row (layers/linear.py)."""
+        if self.cpu_op is not None:
+            return self.cpu_op(x, weight, bias)
+        return dispatch_linear(x, weight, bias)
 
     def _scaled_mm(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
