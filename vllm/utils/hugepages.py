@@ -27,9 +27,8 @@ every byte but a mapping's last partial huge page is in huge pages. Measured (Ze
 AVX2): the 32 layer linears of a 50M batch-1 step called back to back 3.06-3.72 -> 2.71-3.00
 ms (one 104 MB product of the same bytes: 2.55-2.87 ms); a whole batch-1 decode step, paired
 in one engine (benchmarks/bench_weight_arena.py), 0.98-0.99x the time. The model loader
-(`materialize`) and the weight
-prepacker allocate through one, and weights made after loading (an FP8 checkpoint's
-dequantized linears: `weight_zeros`) through the loader's `weight_arena`.
+(`materialize`) and the weight prepacker allocate through one, and weights made after loading
+(an FP8 checkpoint's dequantized linears: `weight_zeros`) through the loader's `weight_arena`.
 """
 from __future__ import annotations
 
