@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_vs_llamacpp import AVX2_ENV  # noqa: E402  (what --isa avx2 sets)
+from bench_vs_llamacpp import AVX2_ENV, steady_llm  # noqa: E402  (AVX2_ENV: --isa avx2)
 from process_memory import anon_rss_mb, peak_rss_mb  # noqa: E402
 
 VARIANTS = {"pad": {}, "no_pad": {"VLLM_CPU_MALLOC_TOP_PAD_MB": "0"}}
@@ -42,18 +42,12 @@ def child(args: argparse.Namespace) -> None:
     """One engine process: one JSON line with its timings and memory."""
     import torch
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.path, dtype=args.dtype, optimization_level=args.level,
-              max_model_len=512, kv_cache_memory="1GiB", max_num_seqs=16)
-    try:
-        from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
-
-        wait_for_prepacking()
-    except ImportError:
-        pass
+    llm = steady_llm(model=args.path, dtype=args.dtype, optimization_level=args.level,
+                     max_model_len=512, kv_cache_memory="1GiB", max_num_seqs=16)
     engine = llm.llm_engine
     vocab = engine.vllm_config.model_config.get_vocab_size()
     rng = random.Random(0)
@@ -107,12 +101,9 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    if args.shape == "demo":  # the built-in demo model (a smoke run)
-        path = "demo"
-    else:
-        from checkpoints import write_checkpoint
+    from checkpoints import model_path
 
-        path = write_checkpoint(args.shape, args.ckpt_root)
+    path = model_path(args.shape, args.ckpt_root)
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))

@@ -123,21 +123,30 @@ def run_hf(args) -> dict:
     return measure(args, timed)
 
 
-def run_ours(args) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+def steady_llm(**kwargs):
+    """`vllm.LLM(**kwargs)` with its weight prepacking finished (-O2/-O3 on the CPU prepack in
+    the background after ready): what steady-state timings start from."""
+    from vllm import LLM
 
-    llm = LLM(model=args.path, dtype=args.dtype, optimization_level=int(args.worker[1:]),
-              max_model_len=max(512, args.prompt_len + args.max_tokens,
-                                args.b16_prompt_len + args.b16_max_tokens,
-                                args.long_prompt + 1),
-              kv_cache_memory="2GiB", max_num_seqs=max(16, args.batch16))
-    try:  # -O2/-O3 on CPU prepack their weights in the background after ready
+    llm = LLM(**kwargs)
+    try:
         from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
 
         wait_for_prepacking()
     except ImportError:
         pass
+    return llm
+
+
+def run_ours(args) -> dict:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = steady_llm(model=args.path, dtype=args.dtype, optimization_level=int(args.worker[1:]),
+                     max_model_len=max(512, args.prompt_len + args.max_tokens,
+                                       args.b16_prompt_len + args.b16_max_tokens,
+                                       args.long_prompt + 1),
+                     kv_cache_memory="2GiB", max_num_seqs=max(16, args.batch16))
     engine = llm.llm_engine
     vocab = engine.vllm_config.model_config.get_vocab_size()
     counter = iter(range(1 << 30))

@@ -35,7 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench_vs_llamacpp import AVX2_ENV  # noqa: E402  (what --isa avx2 sets)
+from bench_vs_llamacpp import AVX2_ENV, steady_llm  # noqa: E402  (AVX2_ENV: --isa avx2)
 
 LAYOUTS = ("arena", "per_tensor")
 
@@ -63,19 +63,13 @@ def child(args: argparse.Namespace) -> None:
     """The measurement: one JSON line."""
     import torch
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.utils.hugepages import cpu_zeros, huge_pages_enabled
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.path, dtype=args.dtype, optimization_level=args.level,
-              max_model_len=512, kv_cache_memory="512MiB", max_num_seqs=4)
-    try:
-        from vllm.model_executor.layers.cpu_prepacked_linear import wait_for_prepacking
-
-        wait_for_prepacking()
-    except ImportError:
-        pass
+    llm = steady_llm(model=args.path, dtype=args.dtype, optimization_level=args.level,
+                     max_model_len=512, kv_cache_memory="512MiB", max_num_seqs=4)
     engine = llm.llm_engine
     model = engine.executor.worker.model_runner.model
     params = list(model.parameters())
@@ -137,12 +131,9 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    if args.shape == "demo":  # the built-in demo model (a smoke run)
-        path = "demo"
-    else:
-        from checkpoints import write_checkpoint
+    from checkpoints import model_path
 
-        path = write_checkpoint(args.shape, args.ckpt_root)
+    path = model_path(args.shape, args.ckpt_root)
     env = dict(os.environ)
     if args.isa == "avx2":
         env.update(AVX2_ENV)

@@ -63,6 +63,12 @@ def write_checkpoint(name: str, root: str, seed: int = 0) -> str:
     return path
 
 
+def model_path(name: str, root: str) -> str:
+    """What to load for shape `name`: "demo" is the built-in demo model (smoke runs), any other
+    shape its checkpoint under `root` (`write_checkpoint`)."""
+    return "demo" if name == "demo" else write_checkpoint(name, root)
+
+
 def _write_byte_tokenizer(path: str, vocab_size: int) -> None:
     """A byte-level BPE tokenizer (trained on a little stdlib text) so the folder is complete."""
     import sysconfig

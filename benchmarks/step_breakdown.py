@@ -111,15 +111,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from checkpoints import write_checkpoint
+    from checkpoints import model_path
     from compare_hf import prompts
     from torch.profiler import ProfilerActivity, profile
 
     from vllm import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    # "demo": the built-in demo model
-    path = "demo" if args.shape == "demo" else write_checkpoint(args.shape, args.ckpt_root)
+    path = model_path(args.shape, args.ckpt_root)
     llm = LLM(model=path, dtype=args.dtype, optimization_level=args.level, max_model_len=512,
               kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 1))
     engine = llm.llm_engine
