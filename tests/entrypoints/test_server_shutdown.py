@@ -4,6 +4,7 @@ process exits 0 in time."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -113,3 +114,46 @@ def test_openai_module_entry_point_serves_and_exits_zero(tmp_path):
         assert "--disable-log-requests is deprecated" in server.log()
     finally:
         assert server.stop() == 0, server.log_path
+
+
+def test_second_sigterm_exits_at_once_without_a_traceback(tmp_path):
+    """A second SIGTERM (a supervisor's, or `timeout` forwarding one) while the server drains
+    a long request: the request is aborted, the server exits 0 at once, logs why, and prints
+    no traceback."""
+    server = RemoteServer("vllm.entrypoints.cli.main", [
+        "serve", "demo", "-O0", "--shutdown-timeout", "30", "--disable-uvicorn-access-log"],
+        log_dir=str(tmp_path))
+    started = threading.Event()
+
+    def long_stream():
+        body = {"prompt": "Hello", "max_tokens": 960, "n": 16, "stream": True,
+                "ignore_eos": True}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                              timeout=60) as resp:
+                for _ in resp.iter_lines():
+                    started.set()
+        except httpx.HTTPError:
+            pass  # (the forced exit may cut the stream)
+
+    thread = threading.Thread(target=long_stream, daemon=True)
+    try:
+        thread.start()
+        assert started.wait(60)
+        server.terminate()
+        deadline = time.monotonic() + 30
+        while "SIGTERM received" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.monotonic()
+        server.terminate()
+        code = server.proc.wait(25)
+        took = time.monotonic() - start
+    finally:
+        server.stop()
+        thread.join(5)
+    with open(server.log_path) as f:
+        log = f.read()
+    assert code == 0, log[-4000:]
+    assert took < 20, took  # not the 30 s drain
+    assert re.search(r"second SIGTERM: aborting [1-9]\d* running request\(s\) and exiting", log)
+    assert "Traceback" not in log, log[-4000:]

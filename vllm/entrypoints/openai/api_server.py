@@ -239,7 +239,9 @@ def _uvicorn_server_class() -> type:
 
     class GracefulServer(uvicorn.Server):
         """uvicorn with our signal handling: drain, then exit 0 (uvicorn alone would re-raise
-        the signal after its own shutdown, and would stop answering at once).
+        the signal after its own shutdown, and would stop answering at once). A second
+        SIGTERM/SIGINT aborts the running requests and exits 0 without the drain's wait; a
+        third exits at once.
 
         When the engine dies (`state.engine.errored`) the server stops by itself:
         `engine_failed` turns True (the caller then exits 1, so a supervisor restarts it);
@@ -253,6 +255,7 @@ def _uvicorn_server_class() -> type:
             self.engine_failed = False
             self._loop: asyncio.AbstractEventLoop | None = None
             self._drain_task: asyncio.Task | None = None
+            self._signals = 0
 
         async def on_tick(self, counter: int) -> bool:
             # (uvicorn calls this every 0.1 s while serving)
@@ -279,17 +282,38 @@ def _uvicorn_server_class() -> type:
                     signal.signal(sig, handler)
 
         def _on_signal(self, sig: int, frame: Any) -> None:
-            if self.state.draining:  # second signal: stop now
-                logger.warning("second %s: exiting without waiting", signal.Signals(sig).name)
+            name = signal.Signals(sig).name
+            assert self._loop is not None
+            self._signals += 1
+            if self._signals == 1:
+                self.state.draining = True
+                self._loop.call_soon_threadsafe(self._start_drain, name)
+            elif self._signals == 2:  # stop waiting: abort what runs, then exit
+                with contextlib.suppress(RuntimeError):  # (the loop already closed)
+                    self._loop.call_soon_threadsafe(self._start_abort, name)
+            else:  # (the abort itself hangs) exit now; tasks still running are cut
+                logger.warning("%s again: exiting at once", name)
                 self.force_exit = True
                 self.should_exit = True
-                return
-            self.state.draining = True
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
 
         def _start_drain(self, name: str) -> None:
             self._drain_task = asyncio.ensure_future(self._drain(name))
+
+        def _start_abort(self, name: str) -> None:
+            # (uvicorn's force_exit would leave the request and lifespan tasks to be
+            # cancelled with the loop, each logging a traceback; aborted, the streams end
+            # and uvicorn closes as after a drain)
+            if self._drain_task is not None:
+                self._drain_task.cancel()
+            self._drain_task = asyncio.ensure_future(self._abort_all(name))
+
+        async def _abort_all(self, name: str) -> None:
+            ids = self.state.engine.in_flight_ids()
+            logger.warning("second %s: aborting %d running request(s) and exiting", name,
+                           len(ids))
+            await self.state.engine.abort(ids)
+            await asyncio.sleep(0.2)  # let the aborted streams send their last chunk
+            self.should_exit = True
 
         async def _drain(self, name: str) -> None:
             engine = self.state.engine
