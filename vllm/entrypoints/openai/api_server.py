@@ -308,12 +308,16 @@ def _uvicorn_server_class() -> type:
             self._drain_task = asyncio.ensure_future(self._abort_all(name))
 
         async def _abort_all(self, name: str) -> None:
-            ids = self.state.engine.in_flight_ids()
-            logger.warning("second %s: aborting %d running request(s) and exiting", name,
-                           len(ids))
-            await self.state.engine.abort(ids)
-            await asyncio.sleep(0.2)  # let the aborted streams send their last chunk
-            self.should_exit = True
+            try:
+                ids = self.state.engine.in_flight_ids()
+                logger.warning("second %s: aborting %d running request(s) and exiting", name,
+                               len(ids))
+                await self.state.engine.abort(ids)
+                await asyncio.sleep(0.2)  # let the aborted streams send their last chunk
+            except Exception as exc:  # (a dead engine) exit all the same
+                logger.warning("aborting the running requests failed: %s", exc)
+            finally:
+                self.should_exit = True
 
         async def _drain(self, name: str) -> None:
             engine = self.state.engine
