@@ -134,7 +134,7 @@ def test_second_sigterm_exits_at_once_without_a_traceback(tmp_path):
                 for _ in resp.iter_lines():
                     started.set()
         except httpx.HTTPError:
-            pass  # (the forced exit may cut the stream)
+            pass  # (the aborted stream may end without its last chunk)
 
     thread = threading.Thread(target=long_stream, daemon=True)
     try:
