@@ -222,3 +222,74 @@ def test_write_and_attend_writes_then_attends():
     with pytest.raises(RuntimeError, match="out of range"):
         write_and_attend(q, k, v, cache, torch.tensor([10**6]), table, seq_lens, starts, reqs,
                          0.25, out)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(8, 8, 64), (14, 2, 64), (6, 3, 80)])
+@pytest.mark.parametrize("requests", [
+    [(9, 1), (0, 7), (5, 3), (30, 1), (13, 40), (0, 1), (31, 1)],  # mixed: every path
+    [((37 * i) % 211 + 1, 1) for i in range(16)],  # a decode batch: cache order
+], ids=["mixed", "decode16"])
+@pytest.mark.parametrize("window,cap", [(None, None), (24, 20.0)])
+def test_kernel_float_query_over_a_16bit_cache(cache_dtype, heads, kv_heads, head_size,
+                                               requests, window, cap):
+    """kv_cache_dtype bfloat16/float16 under a float32 model: the float32 query attends over
+    the 16-bit cache in float32 math (the reference widens the same stored values), on every
+    path (decode rows in both read orders, prompt rows in the lanes, other head sizes per
+    row), with a window and soft-capping too; out stays float32."""
+    query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
+                                                       16, torch.float32, seed=5)
+    cache = cache.to(cache_dtype)
+    reqs = torch.arange(len(requests))
+    out = torch.full(query.shape, 7.0)
+    ref = torch.zeros(query.shape)
+    on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125, out,
+                   window, cap)
+    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref,
+                              window, cap)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_write_and_attend_rounds_float_rows_into_a_16bit_cache(cache_dtype):
+    """float32 q/k/v over a 16-bit cache: the new rows are stored as torch rounds them
+    (`.to(cache_dtype)`, nearest even), then attended in float32."""
+    from vllm.attention.backends.cpu_paged_kernel import write_and_attend
+
+    heads, kv_heads, head_size, block_size = 4, 2, 64, 16
+    requests = [(20, 1), (0, 5)]
+    query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
+                                                       block_size, torch.float32, seed=2)
+    cache = cache.nan_to_num(0.0).to(cache_dtype)
+    tokens = query.shape[0]
+    # values that round differently by mode, and one past bfloat16's 8 bits of mantissa
+    k = torch.randn(tokens, kv_heads * head_size) * 3 + 1 / 3
+    v = torch.randn(tokens, kv_heads * head_size) + 1 + 2 ** -9
+    slots = torch.tensor([int(table[r, p // block_size]) * block_size + p % block_size
+                          for r, (c, n) in enumerate(requests) for p in range(c, c + n)])
+    reqs = torch.arange(len(requests))
+    ref_cache = cache.clone()
+    flat = ref_cache.view(2, -1, kv_heads, head_size)
+    flat[0].index_copy_(0, slots, k.view(tokens, kv_heads, head_size).to(cache_dtype))
+    flat[1].index_copy_(0, slots, v.view(tokens, kv_heads, head_size).to(cache_dtype))
+    ref = torch.zeros(query.shape)
+    paged_attention_reference(query, ref_cache, table, seq_lens, starts, reqs, 0.125, ref)
+    q = query.reshape(tokens, heads * head_size)
+    out = torch.zeros(tokens, heads * head_size)
+    write_and_attend(q, k, v, cache, slots, table, seq_lens, starts, reqs, 0.125, out)
+    assert torch.equal(cache, ref_cache)
+    torch.testing.assert_close(out.view(query.shape), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.bfloat16, torch.float32),
+                                                     (torch.float16, torch.bfloat16),
+                                                     (torch.float32, torch.float64)])
+def test_kernel_refuses_other_dtype_pairs_by_name(query_dtype, cache_dtype):
+    from vllm.attention.backends.cpu_paged_kernel import kernel_takes
+
+    assert not kernel_takes(query_dtype, cache_dtype)
+    query, cache, table, seq_lens, starts = make_batch([(3, 1)], 4, 4, 16, 4, query_dtype)
+    with pytest.raises(RuntimeError, match="query over a .* cache is not supported"):
+        paged_attention(query, cache.to(cache_dtype), table, seq_lens, starts,
+                        torch.tensor([0]), 0.25, torch.empty(query.shape, dtype=query_dtype))

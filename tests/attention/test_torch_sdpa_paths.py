@@ -18,7 +18,7 @@ class _Layer:
     layer_name = "model.layers.0.self_attn.attn"
 
 
-def run_batch(dtype, use_kernel, monkeypatch):
+def run_batch(dtype, use_kernel, monkeypatch, cache_dtype=None):
     if not use_kernel:
         monkeypatch.setattr(cpu_paged_kernel, "cpu_paged_attention_available", lambda: False)
     gen = torch.Generator().manual_seed(0)
@@ -26,10 +26,11 @@ def run_batch(dtype, use_kernel, monkeypatch):
     requests = [(9, 1), (0, 6), (5, 3), (14, 1)]
     tables = [[3, 8, 11], [5, 20], [2, 17], [9, 4, 1, 22]]
     num_padding = 3
-    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, dtype=dtype)
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE,
+                        dtype=cache_dtype or dtype)
     slots = []
     for (ctx, ql), table in zip(requests, tables):
-        cache_kv = torch.randn(2, ctx, KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+        cache_kv = torch.randn(2, ctx, KV_HEADS, HEAD_SIZE, generator=gen).to(cache.dtype)
         for p in range(ctx):
             cache[:, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = cache_kv[:, p]
         slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
@@ -59,6 +60,27 @@ def test_kernel_and_torch_paths_agree(dtype, monkeypatch):
     torch.testing.assert_close(cache, torch_cache, atol=0, rtol=0)
     # only the dummy block 0 and the requests' own slots were written
     assert cache[:, 0].abs().sum() > 0
+
+
+@pytest.mark.skipif(not cpu_paged_kernel.cpu_paged_attention_available(),
+                    reason="the CPU paged-attention kernel could not be built")
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_model_over_a_16bit_cache_takes_the_kernel(cache_dtype, monkeypatch):
+    """kv_cache_dtype bfloat16/float16 under float32 activations: the kernel computes the
+    batch (it had fallen back to the torch path), stores the new rows rounded as the torch
+    path does, and agrees with it within the cache's rounding (the torch path attends a fresh
+    prompt over its unrounded K/V; the kernel reads every key back from the cache)."""
+    calls = []
+    real_op = torch.ops.vllm_cpu_attn.write_and_attend
+    monkeypatch.setattr(torch.ops.vllm_cpu_attn, "write_and_attend",
+                        lambda *a: calls.append(a[3].dtype) or real_op(*a))
+    ours, cache = run_batch(torch.float32, True, monkeypatch, cache_dtype)
+    assert calls == [cache_dtype]
+    torch_out, torch_cache = run_batch(torch.float32, False, monkeypatch, cache_dtype)
+    assert calls == [cache_dtype] and ours.dtype == torch.float32
+    torch.testing.assert_close(ours, torch_out, atol=2e-2, rtol=2e-2)
+    assert (ours[-3:] == 0).all()
+    torch.testing.assert_close(cache, torch_cache, atol=0, rtol=0)
 
 
 def _decode_batch(dtype, cache):

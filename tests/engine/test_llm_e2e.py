@@ -209,18 +209,21 @@ def test_logprobs_beyond_max_logprobs_are_refused_up_front(llm, llama_path):
 
 def test_kv_cache_dtype_stores_bfloat16(llm, llama_path):
     """kv_cache_dtype="bfloat16" (alias bf16) keeps the float32 model's keys and values in
-    bfloat16: half the bytes per block, the same greedy tokens here, logprobs within bfloat16's
-    rounding; FP8 is refused by name."""
+    bfloat16: half the bytes per block, logprobs within bfloat16's rounding, and the same
+    greedy tokens up to a near tie of the float32 run's top two (this random model's
+    distribution is nearly flat); FP8 is refused by name."""
     half = LLM(model=llama_path, optimization_level=0, max_model_len=256, kv_cache_dtype="bf16")
     caches = half.llm_engine.executor.worker.model_runner.kv_caches
     assert {c.dtype for c in caches.values()} == {torch.bfloat16}
-    params = greedy(8, logprobs=0)
+    params = greedy(8, logprobs=2)
     for ours, ref in zip(half.generate(PROMPTS[:2], params, use_tqdm=False),
                          llm.generate(PROMPTS[:2], params, use_tqdm=False)):
-        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
-        for a, b, token in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs,
-                               ref.outputs[0].token_ids):
-            assert a[token].logprob == pytest.approx(b[token].logprob, abs=2e-2)
+        for a, b, mine, token in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs,
+                                     ours.outputs[0].token_ids, ref.outputs[0].token_ids):
+            assert a[mine].logprob == pytest.approx(b[token].logprob, abs=2e-2)
+            if mine != token:  # a near tie in float32; the sequences differ from here
+                assert b[mine].logprob == pytest.approx(b[token].logprob, abs=2e-2)
+                break
     with pytest.raises(ValueError, match="got 'fp8' \\(FP8 KV caches are not implemented\\)"):
         LLM(model=llama_path, optimization_level=0, kv_cache_dtype="fp8")
 

@@ -30,6 +30,15 @@ _SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def kernel_takes(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernel computes a `query_dtype` query over a `cache_dtype` KV cache: the
+    same supported dtype, or a float32 query over a bfloat16 or float16 cache
+    (kv_cache_dtype under a float32 model: the cache's bytes halve, the math stays float32)."""
+    if query_dtype == cache_dtype:
+        return cache_dtype in SUPPORTED_DTYPES
+    return query_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)
+
+
 def cpu_paged_attention_available() -> bool:
     """Build (first call on this machine) and load the kernel; True when
     `torch.ops.vllm_cpu_attn.paged_attention` is usable. Thread-safe; one try per process."""
@@ -53,9 +62,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: to
     """Attention of the listed requests' query rows over their paged K/V, written into `out`.
 
     query/out [T, H, D] (channel dim dense), kv_cache [2, num_blocks, block_size, KVH, D]
-    contiguous and of query's dtype, block_table [R, max_blocks] int32, seq_lens [R] int64,
-    query_start_loc [R + 1] int64, req_indices [n] int64, window: a sliding window (None:
-    none), soft_cap: logits soft-capping (None: none). Needs
+    contiguous, of a dtype `kernel_takes` under the query's, block_table [R, max_blocks]
+    int32, seq_lens [R] int64, query_start_loc [R + 1] int64, req_indices [n] int64, window:
+    a sliding window (None: none), soft_cap: logits soft-capping (None: none). Needs
     `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
                                             query_start_loc, req_indices, scale, out,
@@ -70,7 +79,9 @@ def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      soft_cap: float | None = None) -> None:
     """Write key/value rows 0..len(slot_mapping)-1 into the cache by slot, then
     `paged_attention`. query/out [T, H * D], key/value [T, KVH * D] (row-strided is fine),
-    all of kv_cache's dtype; slot_mapping int64. Needs `cpu_paged_attention_available()`."""
+    all of one dtype, the cache's or one `kernel_takes` it under (rows are then rounded to
+    the cache's dtype, to nearest even); slot_mapping int64. Needs
+    `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
                                              block_table, seq_lens, query_start_loc,
                                              req_indices, scale, out, window_arg(window),

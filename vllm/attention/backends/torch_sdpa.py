@@ -7,8 +7,9 @@ masked by the request's sequence length).
 
 On the CPU, when the C++ kernel of cpu_paged_kernel.py is built, one call per layer computes
 every request (decode rows, fresh prompts and chunks with context) straight from the paged
-cache. Elsewhere, or when the kernel cannot serve the batch (a build failure, a KV cache dtype
-other than the query's, an FP8 output), the plain-torch path runs.
+cache (a float32 model's cache may be bfloat16 or float16: kv_cache_dtype). Elsewhere, or
+when the kernel cannot serve the batch (a build failure, another pair of query and cache
+dtypes), the plain-torch path runs.
 
 Plain-torch strategy (the op is opaque to Dynamo, so host-side lists may steer it):
 - decode requests (one query token) are batched: their blocks are gathered into
@@ -207,14 +208,14 @@ class TorchSDPAImpl(AttentionImpl):
     def _kernel_serves(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> bool:
         """Whether the C++ kernel (`cpu_paged_kernel.write_and_attend`) computes this call:
-        CPU tensors of one supported dtype and an int32 block table. Decided once per cache
+        CPU tensors of one dtype over a cache the kernel takes (`kernel_takes`) and an int32
+        block table. Decided once per cache
         tensor and input dtypes; the kernel's arguments that never change are made then."""
         dtypes = (query.dtype, key.dtype, value.dtype, md.block_table.dtype)
         if kv_cache is not self._kernel_cache() or dtypes != self._kernel_dtypes:
-            dtype = kv_cache.dtype
-            self._kernel_ok = (query.device.type == "cpu" and query.dtype == dtype
-                               and key.dtype == dtype and value.dtype == dtype
-                               and dtype in cpu_paged_kernel.SUPPORTED_DTYPES
+            self._kernel_ok = (query.device.type == "cpu" and key.dtype == query.dtype
+                               and value.dtype == query.dtype
+                               and cpu_paged_kernel.kernel_takes(query.dtype, kv_cache.dtype)
                                and md.block_table.dtype == torch.int32
                                and cpu_paged_kernel.cpu_paged_attention_available())
             if self._kernel_ok:

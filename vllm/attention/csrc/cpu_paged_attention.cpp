@@ -10,7 +10,8 @@
 //                                            (2-D q/k/v/out)
 //
 // query  [T, H, D]   (rows may be strided; the head and channel dims must be dense)
-// kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, same dtype as query
+// kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, the query's dtype, or bfloat16
+//                                               or float16 under a float32 query
 // block_table [R, max_blocks] int32, seq_lens [R] int64, query_start_loc [R + 1] int64
 // req_indices [n] int64: the requests to compute (others' rows of `out` are left alone)
 // out    [T, H, D]   written for the rows of the listed requests
@@ -42,6 +43,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -194,22 +199,6 @@ struct Scratch {
   }
 };
 
-// dst[0:n] = float(src[0:n]).
-// (Plain loops the compiler vectorizes at the ISA's own width: a copy through 16-lane vectors
-// went through the stack in 16-byte pieces below AVX-512.)
-template <typename T>
-inline void widen(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-  }
-}
-
 // out[j] = sum of the 16 lanes of p[j], for j < 16: four rounds that each add the two halves
 // of pairs of vectors, interleaved so that the last round leaves key j in lane j.
 inline vf reduce16(const vf* p) {
@@ -246,9 +235,36 @@ inline vl load_lanes(const c10::BFloat16* p) {
   return v;
 }
 inline vl load_lanes(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
   vl v;
+#if defined(__AVX512F__) || defined(__F16C__)
+  std::memcpy(&v, &w, sizeof(v));
+#else
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+#endif
   return v;
+}
+
+// dst[0:n] = float(src[0:n]).
+// (Plain loops the compiler vectorizes at the ISA's own width: a copy through 16-lane vectors
+// went through the stack in 16-byte pieces below AVX-512.)
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+  } else {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) store_l(dst + i, load_lanes(src + i));
+    for (; i < n; ++i) dst[i] = to_float(src[i]);
+  }
 }
 
 // out[j] = sum of the lanes of p[j], for j < kLanes (reduce16 on AVX-512; below it the same
@@ -714,7 +730,7 @@ bool two_pass_dispatch(int64_t D, Scratch& s, int64_t head0, int64_t head1, int6
   }
 }
 
-template <typename T, bool kCap>
+template <typename QT, typename T, bool kCap>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
          const at::Tensor& req_indices, double scale_d, int64_t window, double cap_d,
@@ -728,7 +744,6 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t c_blk = BS * c_pos;         // of one block
   const int64_t c_kv = num_blocks * c_blk;  // K -> V
   const int64_t bt_row = block_table.stride(0);
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));  // one head's K (or V) row
   const float scale = static_cast<float>(scale_d);
   const float cap = static_cast<float>(cap_d);
   const float inv_cap = kCap ? 1.0f / cap : 0.0f;
@@ -737,9 +752,9 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
     return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
   };
 
-  const T* q_ptr = query.data_ptr<T>();
+  const QT* q_ptr = query.data_ptr<QT>();
   const T* cache = kv_cache.data_ptr<T>();
-  T* o_ptr = out.data_ptr<T>();
+  QT* o_ptr = out.data_ptr<QT>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
@@ -803,7 +818,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             const int64_t tok = starts[it.req] + it.row0 + t;
             for (int64_t j = 0; j < G; ++j) {
               const int64_t row = (g - it.head0) * head_rows + t * G + j;
-              const T* src = q_ptr + tok * q_tok + (g * G + j) * q_head;
+              const QT* src = q_ptr + tok * q_tok + (g * G + j) * q_head;
               float* dst = s.q.data() + row * D;
               for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * scale;
               s.limit[row] = ctx + it.row0 + t;  // last visible position
@@ -931,14 +946,23 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
               const int64_t row = (g - it.head0) * head_rows + t * G + j;
               const float inv = s.l[row] > 0.0f ? 1.0f / s.l[row] : 0.0f;
               const float* a = s.acc.data() + row * D;
-              T* dst = o_ptr + tok * o_tok + (g * G + j) * o_head;
-              for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(a[d] * inv);
+              QT* dst = o_ptr + tok * o_tok + (g * G + j) * o_head;
+              for (int64_t d = 0; d < D; ++d) dst[d] = from_float<QT>(a[d] * inv);
             }
           }
         }
       }
     }
   });
+}
+
+// The (query, cache) dtype pairs the kernel is built for: one of float32, bfloat16 and
+// float16 for both, or a float32 query over a 16-bit cache (kv_cache_dtype="bfloat16" or
+// "float16" under a float32 model: half the cache's bytes to read; the arithmetic stays float).
+bool cache_dtype_supported(at::ScalarType query, at::ScalarType cache) {
+  const bool cache_16 = cache == at::kBFloat16 || cache == at::kHalf;
+  return (query == cache && (cache_16 || cache == at::kFloat)) ||
+         (query == at::kFloat && cache_16);
 }
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -948,9 +972,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
-                  out.scalar_type() == query.scalar_type(),
-              "query, kv_cache and out must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
+  TORCH_CHECK(cache_dtype_supported(query.scalar_type(), kv_cache.scalar_type()),
+              "paged_attention: a ", query.scalar_type(), " query over a ",
+              kv_cache.scalar_type(), " cache is not supported (the cache must have the "
+              "query's dtype, or be BFloat16 or Half under a Float query)");
   TORCH_CHECK(query.size(2) == kv_cache.size(4) && out.sizes() == query.sizes(),
               "head sizes differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
@@ -967,21 +993,21 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "soft_cap must be 0 (none) or a positive finite number, got ", soft_cap);
   const auto dispatch = [&](auto cap_flag) {
     constexpr bool kCap = decltype(cap_flag)::value;
-    switch (query.scalar_type()) {
+    const auto go = [&](auto query_type, auto cache_type) {
+      run<decltype(query_type), decltype(cache_type), kCap>(
+          query, kv_cache, block_table, seq_lens, query_start_loc, req_indices, scale, window,
+          soft_cap, out);
+    };
+    const bool float_query = query.scalar_type() == at::kFloat;
+    switch (kv_cache.scalar_type()) {
       case at::kFloat:
-        run<float, kCap>(query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
-                         scale, window, soft_cap, out);
+        go(float{}, float{});
         break;
       case at::kBFloat16:
-        run<c10::BFloat16, kCap>(query, kv_cache, block_table, seq_lens, query_start_loc,
-                                 req_indices, scale, window, soft_cap, out);
+        float_query ? go(float{}, c10::BFloat16{}) : go(c10::BFloat16{}, c10::BFloat16{});
         break;
-      case at::kHalf:
-        run<c10::Half, kCap>(query, kv_cache, block_table, seq_lens, query_start_loc,
-                             req_indices, scale, window, soft_cap, out);
-        break;
-      default:
-        TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+      default:  // at::kHalf (cache_dtype_supported)
+        float_query ? go(float{}, c10::Half{}) : go(c10::Half{}, c10::Half{});
     }
   };
   if (soft_cap > 0.0)
@@ -1010,9 +1036,13 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   TORCH_CHECK(query.stride(1) == 1 && key.stride(1) == 1 && value.stride(1) == 1 &&
                   out.stride(1) == 1,
               "rows must be dense");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
-                  value.scalar_type() == kv_cache.scalar_type(),
-              "key, value and kv_cache must share a dtype");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() &&
+                  value.scalar_type() == query.scalar_type(),
+              "query, key and value must share a dtype");
+  TORCH_CHECK(cache_dtype_supported(query.scalar_type(), kv_cache.scalar_type()),
+              "write_and_attend: a ", query.scalar_type(), " query over a ",
+              kv_cache.scalar_type(), " cache is not supported (the cache must have the "
+              "query's dtype, or be BFloat16 or Half under a Float query)");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() <= key.size(0),
               "slot_mapping must be contiguous int64 with at most one entry per token");
@@ -1025,11 +1055,28 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   const char* v_src = static_cast<const char*>(value.data_ptr());
   const int64_t k_stride = key.stride(0) * key.element_size();
   const int64_t v_stride = value.stride(0) * value.element_size();
+  // A float32 row into a 16-bit cache is rounded to nearest even.
+  const auto narrow_row = [&](char* dst, const char* src) {
+    const float* f = reinterpret_cast<const float*>(src);
+    if (kv_cache.scalar_type() == at::kBFloat16) {
+      c10::BFloat16* d = reinterpret_cast<c10::BFloat16*>(dst);
+      for (int64_t i = 0; i < KVH * D; ++i) d[i] = c10::BFloat16(f[i]);
+    } else {
+      c10::Half* d = reinterpret_cast<c10::Half*>(dst);
+      for (int64_t i = 0; i < KVH * D; ++i) d[i] = c10::Half(f[i]);
+    }
+  };
+  const bool same = key.scalar_type() == kv_cache.scalar_type();
   for (int64_t t = 0; t < slot_mapping.numel(); ++t) {
     const int64_t slot = slots[t];
     TORCH_CHECK(slot >= 0 && slot < n_slots, "slot ", slot, " out of range");
-    std::memcpy(k_cache + slot * row_bytes, k_src + t * k_stride, row_bytes);
-    std::memcpy(v_cache + slot * row_bytes, v_src + t * v_stride, row_bytes);
+    if (same) {
+      std::memcpy(k_cache + slot * row_bytes, k_src + t * k_stride, row_bytes);
+      std::memcpy(v_cache + slot * row_bytes, v_src + t * v_stride, row_bytes);
+    } else {
+      narrow_row(k_cache + slot * row_bytes, k_src + t * k_stride);
+      narrow_row(v_cache + slot * row_bytes, v_src + t * v_stride);
+    }
   }
   paged_attention(query.as_strided({T, H, D}, {query.stride(0), D, 1}), kv_cache, block_table,
                   seq_lens, query_start_loc, req_indices, scale,
