@@ -9,7 +9,9 @@ they see the same machine state; every figure is the median over the rounds:
 - transformers (PyTorch eager, its default attention) `generate`;
 - llama.cpp through llama-cpp-python's C API: one context, `n_threads` = ours, `n_batch`
   sized for the whole prompt, llama.cpp's default flash-attention setting, greedy sampler;
-- ours at -O0, -O2, -O3 (`vllm.LLM(optimization_level=...)`, weights prepacked before timing).
+- ours at -O0, -O2, -O3 (`vllm.LLM(optimization_level=...)`, weights prepacked before timing);
+  on request (`--engines ... O2-kv16`) also -O2 with a 16-bit KV cache, llama.cpp's default
+  cache precision (kv_cache_dtype="float16" under float32 weights).
 
 Workloads: batch-1 decode tokens/s (128 new tokens after a 32-token prompt, greedy, EOS
 ignored; (tokens - 1) over first output token to last), and batch 16 x 128-token prompts,
@@ -60,8 +62,12 @@ from process_memory import anon_rss_mb, peak_rss_mb  # noqa: E402
 
 _RESULT = "VS_LLAMACPP_RESULT "
 ENGINES = ("hf", "llamacpp", "O0", "O2", "O3")
+# Not run by default: ours at -O2 with a 16-bit KV cache, llama.cpp's default cache precision
+# (kv_cache_dtype="float16" under a float32 model; a bfloat16 model's cache is 16-bit anyway).
+KV16 = "O2-kv16"
 LABELS = {"hf": "transformers eager", "llamacpp": "llama.cpp", "O0": "ours -O0",
-          "O2": "ours -O2", "O3": "ours -O3"}
+          "O2": "ours -O2", "O3": "ours -O3", KV16: "ours -O2, 16-bit KV"}
+RATIO_ENGINES = {"O2": "-O2 / llama.cpp", KV16: "-O2 16-bit KV / llama.cpp"}
 EXACT = "llamacpp_exact"  # llama.cpp with a float32 KV cache and no flash attention
 LABELS[EXACT] = "llama.cpp, f32 KV, no flash attn"
 SHAPE_LABELS = {"llama-50m": "50M Llama (hidden 512, 8 layers, vocab 32000)",
@@ -142,7 +148,9 @@ def run_ours(args) -> dict:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm = steady_llm(model=args.path, dtype=args.dtype, optimization_level=int(args.worker[1:]),
+    kv16 = args.worker == KV16 and args.dtype == "float32"
+    llm = steady_llm(model=args.path, dtype=args.dtype, optimization_level=int(args.worker[1]),
+                     kv_cache_dtype="float16" if kv16 else "auto",
                      max_model_len=max(512, args.prompt_len + args.max_tokens,
                                        args.b16_prompt_len + args.b16_max_tokens,
                                        args.long_prompt + 1),
@@ -541,6 +549,7 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 def markdown(summary: dict) -> str:
     m, bw = summary["machine"], summary["bandwidth_gb_s"]
     engines = summary["engines"]
+    ratios = [e for e in RATIO_ENGINES if e in engines and "llamacpp" in engines]
     lines = [
         "# Our engine against llama.cpp, same weights, one run",
         "",
@@ -567,14 +576,16 @@ def markdown(summary: dict) -> str:
         f"16 x {summary['batch16']['prompt_len']}-token prompts, "
         f"{summary['batch16']['max_tokens']} new tokens each, total output tok/s including "
         "the prefill (llama.cpp: the 16 sequences in one llama_batch, n_seq_max=16)."
+        + (f" {LABELS[KV16]}: kv_cache_dtype=\"float16\" under float32 weights (under "
+           "bfloat16 ones the cache is bfloat16 already), llama.cpp's default cache precision."
+           if KV16 in engines else "")
         + (f" Long prompt: one {summary['long_prompt']['prompt_len']}-token prompt, prefill "
            "tok/s (prompt tokens / time to the first output token; the second of two runs)."
            if summary.get("long_prompt", {}).get("shapes") else ""),
         "",
         "| model | dtype | workload | " + " | ".join(LABELS[e] for e in engines)
-        + (" | -O2 / llama.cpp |" if "O2" in engines and "llamacpp" in engines else " |"),
-        "|---|---|---|" + "---|" * len(engines)
-        + ("---|" if "O2" in engines and "llamacpp" in engines else ""),
+        + "".join(f" | {RATIO_ENGINES[e]}" for e in ratios) + " |",
+        "|---|---|---|" + "---|" * (len(engines) + len(ratios)),
     ]
     for r in summary["rows"]:
         work = {"b1": "batch-1 decode tok/s",
@@ -584,8 +595,7 @@ def markdown(summary: dict) -> str:
         cells = [fmt(r["engines"][e]["tok_s"], ".2f") for e in engines]
         line = (f"| {SHAPE_LABELS.get(r['shape'], r['shape'])} | {r['dtype']} | {work} | "
                 + " | ".join(cells) + " |")
-        if "O2" in engines and "llamacpp" in engines:
-            line += f" {fmt(r['engines']['O2']['vs_llamacpp'], '.2f')}x |"
+        line += "".join(f" {fmt(r['engines'][e]['vs_llamacpp'], '.2f')}x |" for e in ratios)
         lines.append(line)
     lines += ["", "Batch-1 weight-read rate (weight bytes per token x decode tok/s), GB/s and "
               "% of the measured read bandwidth:", "",
@@ -649,7 +659,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["llama-50m", "qwen2.5-0.5b"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES),
+                        choices=list(ENGINES) + [KV16])
     parser.add_argument("--batch16-shapes", nargs="*", default=["llama-50m"],
                         help="shapes that also run the batch-16 workload")
     parser.add_argument("--rounds", type=int, default=3)
@@ -675,7 +686,7 @@ def main() -> None:
     parser.add_argument("--out", default=None,
                         help="output path without extension (default results/vs_llamacpp)")
     # worker-only
-    parser.add_argument("--worker", choices=list(ENGINES) + ["bandwidth"],
+    parser.add_argument("--worker", choices=list(ENGINES) + [KV16, "bandwidth"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--gguf", help=argparse.SUPPRESS)

@@ -178,6 +178,48 @@ def test_report_has_ratios_bandwidth_share_and_failures():
     assert "| transformers eager | 3 | 3 | 3 | 3 | 3 | 2 |" in text
 
 
+def test_the_16bit_kv_engine_gets_its_cache_and_its_own_ratio(monkeypatch):
+    """`--engines ... O2-kv16`: -O2 with kv_cache_dtype="float16" under float32 weights (a
+    bfloat16 model keeps its bfloat16 cache), and a ratio column of its own in the report."""
+    made = []
+
+    def fake_llm(**kwargs):
+        made.append(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bench, "steady_llm", fake_llm)
+    for dtype, expected in (("float32", "float16"), ("bfloat16", "auto")):
+        args = SimpleNamespace(worker=bench.KV16, path="p", dtype=dtype, prompt_len=32,
+                               max_tokens=128, b16_prompt_len=128, b16_max_tokens=128,
+                               long_prompt=0, batch16=16)
+        with pytest.raises(RuntimeError, match="stop here"):
+            bench.run_ours(args)
+        assert made[-1]["kv_cache_dtype"] == expected
+        assert made[-1]["optimization_level"] == 2
+    args.worker = "O3"
+    with pytest.raises(RuntimeError, match="stop here"):
+        bench.run_ours(args)
+    assert made[-1]["kv_cache_dtype"] == "auto" and made[-1]["optimization_level"] == 3
+
+    args = SimpleNamespace(engines=["llamacpp", "O2", bench.KV16], batch16_shapes=["llama-50m"],
+                           llamacpp_kv="f16", llamacpp_flash_attn="auto", threads=2, rounds=1,
+                           prompt_len=32, max_tokens=128, b16_prompt_len=128,
+                           b16_max_tokens=128, isa="native", long_prompt_shapes=[],
+                           long_prompt_len=1024)
+    runs = {("llama-50m", "float32", e): [{"b1": {"decode_tok_s": b1, "tokens": [1]},
+                                           "b16": {"total_tok_s": b16}}]
+            for e, b1, b16 in (("llamacpp", 100, 400), ("O2", 110, 580),
+                               (bench.KV16, 112, 640))}
+    machine = {"cpu": "c", "isa": "AVX-512", "flags": [], "logical_cpus": 2}
+    summary = bench.summarize(args, {("llama-50m", "float32"): {"weight_bytes": 10}}, runs,
+                              [30.0], machine, {"version": "0", "system_info": ""})
+    text = bench.markdown(summary)
+    assert "| -O2 / llama.cpp | -O2 16-bit KV / llama.cpp |" in text
+    assert "| 100.00 | 110.00 | 112.00 | 1.10x | 1.12x |" in text
+    assert "| 400.00 | 580.00 | 640.00 | 1.45x | 1.60x |" in text
+    assert 'kv_cache_dtype="float16" under float32 weights' in text
+
+
 def test_isa_avx2_limits_every_library_and_needs_an_avx2_llamacpp(monkeypatch):
     from vllm.utils.cpu_info import supported_isa_levels
 
