@@ -284,7 +284,8 @@ def test_write_and_attend_rounds_float_rows_into_a_16bit_cache(cache_dtype):
 
 @pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.bfloat16, torch.float32),
                                                      (torch.float16, torch.bfloat16),
-                                                     (torch.float32, torch.float64)])
+                                                     (torch.float32, torch.float64),
+                                                     (torch.float64, torch.float8_e4m3fn)])
 def test_kernel_refuses_other_dtype_pairs_by_name(query_dtype, cache_dtype):
     from vllm.attention.backends.cpu_paged_kernel import kernel_takes
 
@@ -293,3 +294,100 @@ def test_kernel_refuses_other_dtype_pairs_by_name(query_dtype, cache_dtype):
     with pytest.raises(RuntimeError, match="query over a .* cache is not supported"):
         paged_attention(query, cache.to(cache_dtype), table, seq_lens, starts,
                         torch.tensor([0]), 0.25, torch.empty(query.shape, dtype=query_dtype))
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("requests", [
+    [(9, 1), (0, 7), (5, 3), (30, 1), (13, 40), (0, 1), (31, 1)],
+    [((37 * i) % 211 + 1, 1) for i in range(16)],
+], ids=["mixed", "decode16"])
+@pytest.mark.parametrize("window,cap", [(None, None), (24, 20.0)])
+def test_kernel_over_an_fp8_cache(cache_dtype, query_dtype, requests, window, cap):
+    """kv_cache_dtype fp8 / fp8_e5m2: any query dtype over a one-byte cache holding K / k_scale
+    and V / v_scale; the kernel multiplies the scales back (the reference reads the same bytes
+    widened and scaled) on every path, with a window and soft-capping too."""
+    from vllm.attention.backends.cache_storage import to_cache
+
+    query, cache, table, seq_lens, starts = make_batch(requests, 8, 2, 64, 16, torch.float32,
+                                                       seed=7)
+    k_scale, v_scale = 0.25, 3.0
+    stored = torch.stack([to_cache(cache[0] * 2, cache_dtype, k_scale),
+                          to_cache(cache[1], cache_dtype, v_scale)])
+    query = query.to(query_dtype)
+    reqs = torch.arange(len(requests))
+    out = torch.full(query.shape, 7.0, dtype=query_dtype)
+    ref = torch.zeros(query.shape, dtype=query_dtype)
+    on_two_threads(paged_attention, query, stored, table, seq_lens, starts, reqs, 0.125, out,
+                   window, cap, k_scale, v_scale)
+    paged_attention_reference(query, stored, table, seq_lens, starts, reqs, 0.125, ref,
+                              window, cap, k_scale, v_scale)
+    assert not out.isnan().any()
+    tol = 1e-5 if query_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_kernel_decodes_every_fp8_code_exactly(cache_dtype):
+    """Every finite byte of the format, read through the kernel's widening (one visible key:
+    the output is its V row times v_scale) equals torch's own conversion."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(cache_dtype).float()
+    codes[~values.isfinite()] = 0  # NaN / inf codes: never written (writes saturate)
+    head_size = 128
+    cache = torch.zeros(2, 3, 16, 1, head_size, dtype=cache_dtype)
+    table = torch.tensor([[1], [2]], dtype=torch.int32)
+    cache.view(torch.uint8)[1, 1, 0, 0] = codes[:128]
+    cache.view(torch.uint8)[1, 2, 0, 0] = codes[128:]
+    query = torch.randn(2, 4, head_size)
+    out = torch.empty(2, 4, head_size)
+    paged_attention(query, cache, table, torch.tensor([1, 1]), torch.tensor([0, 1, 2]),
+                    torch.arange(2), 0.1, out, k_scale=1.0, v_scale=0.5)
+    expected = codes.view(cache_dtype).float().view(2, 1, head_size) * 0.5
+    assert torch.equal(out, expected.expand(2, 4, head_size))
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_and_attend_stores_scaled_saturated_fp8(cache_dtype, dtype):
+    """New rows go into an FP8 cache as `to_cache` stores them: divided by the scale, rounded
+    to nearest even, values past the format's range saturated (not inf / NaN)."""
+    from vllm.attention.backends.cache_storage import to_cache
+    from vllm.attention.backends.cpu_paged_kernel import write_and_attend
+
+    heads, kv_heads, head_size, block_size = 4, 2, 64, 16
+    requests = [(20, 1), (0, 5)]
+    query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
+                                                       block_size, torch.float32, seed=4)
+    k_scale, v_scale = 0.5, 2.0
+    cache = to_cache(cache.nan_to_num(0.0), cache_dtype)
+    tokens = query.shape[0]
+    k = (torch.randn(tokens, kv_heads * head_size) * 4).to(dtype)
+    k[0, :4] = torch.tensor([1e5, -1e5, 300.0, -250.0])  # past e4m3's 448 once divided
+    v = torch.randn(tokens, kv_heads * head_size).to(dtype)
+    slots = torch.tensor([int(table[r, p // block_size]) * block_size + p % block_size
+                          for r, (c, n) in enumerate(requests) for p in range(c, c + n)])
+    reqs = torch.arange(len(requests))
+    ref_cache = cache.clone()
+    flat = ref_cache.view(torch.uint8).view(2, -1, kv_heads, head_size)
+    flat[0].index_copy_(0, slots, to_cache(k.view(tokens, kv_heads, head_size), cache_dtype,
+                                           k_scale).view(torch.uint8))
+    flat[1].index_copy_(0, slots, to_cache(v.view(tokens, kv_heads, head_size), cache_dtype,
+                                           v_scale).view(torch.uint8))
+    ref = torch.zeros(query.shape, dtype=dtype)
+    query = query.to(dtype)
+    paged_attention_reference(query, ref_cache, table, seq_lens, starts, reqs, 0.125, ref,
+                              k_scale=k_scale, v_scale=v_scale)
+    out = torch.zeros(tokens, heads * head_size, dtype=dtype)
+    write_and_attend(query.reshape(tokens, -1), k, v, cache, slots, table, seq_lens, starts,
+                     reqs, 0.125, out, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    assert cache.float().isfinite().all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.view(query.shape).float(), ref.float(), atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="k_scale and v_scale must be positive"):
+        write_and_attend(query.reshape(tokens, -1), k, v, cache, slots, table, seq_lens,
+                         starts, reqs, 0.125, out, k_scale=0.0)

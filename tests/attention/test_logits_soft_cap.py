@@ -300,9 +300,9 @@ def test_impl_paths_match_dense(dtype, heads, kv_heads, head_size, block_size, w
 def test_impl_kernel_path_passes_the_cap(monkeypatch):
     """On the CPU a capped layer still takes the one-call kernel path (no torch fallback)."""
     seen = []
-    real = torch.ops.vllm_cpu_attn.write_and_attend  # the op the impl calls (soft cap last)
+    real = torch.ops.vllm_cpu_attn.write_and_attend  # the op the impl calls
     monkeypatch.setattr(torch.ops.vllm_cpu_attn, "write_and_attend",
-                        lambda *a: seen.append(a[-1]) or real(*a))
+                        lambda *a: seen.append(a[12]) or real(*a))  # (soft_cap)
     monkeypatch.setattr(TorchSDPAImpl, "_prefill", lambda *a: pytest.fail("torch path ran"))
     monkeypatch.setattr(TorchSDPAImpl, "_decode", lambda *a: pytest.fail("torch path ran"))
     ours, dense = run_impl(torch.float32, 6, 2, 16, 4, None, 2.0)

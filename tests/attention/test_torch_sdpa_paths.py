@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vllm.attention.backends import cpu_paged_kernel
+from vllm.attention.backends.cache_storage import byte_view
 from vllm.attention.backends.torch_sdpa import TorchSDPAImpl, TorchSDPAMetadataBuilder
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 24
@@ -16,9 +17,16 @@ HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 24
 
 class _Layer:
     layer_name = "model.layers.0.self_attn.attn"
+    k_scale = 1.0
+    v_scale = 1.0
 
 
-def run_batch(dtype, use_kernel, monkeypatch, cache_dtype=None):
+class _ScaledLayer(_Layer):
+    k_scale = 0.5
+    v_scale = 4.0
+
+
+def run_batch(dtype, use_kernel, monkeypatch, cache_dtype=None, layer=_Layer):
     if not use_kernel:
         monkeypatch.setattr(cpu_paged_kernel, "cpu_paged_attention_available", lambda: False)
     gen = torch.Generator().manual_seed(0)
@@ -26,13 +34,14 @@ def run_batch(dtype, use_kernel, monkeypatch, cache_dtype=None):
     requests = [(9, 1), (0, 6), (5, 3), (14, 1)]
     tables = [[3, 8, 11], [5, 20], [2, 17], [9, 4, 1, 22]]
     num_padding = 3
-    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE,
-                        dtype=cache_dtype or dtype)
+    stored = cache_dtype or dtype
+    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, dtype=stored)
     slots = []
     for (ctx, ql), table in zip(requests, tables):
-        cache_kv = torch.randn(2, ctx, KV_HEADS, HEAD_SIZE, generator=gen).to(cache.dtype)
-        for p in range(ctx):
-            cache[:, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = cache_kv[:, p]
+        cache_kv = torch.randn(2, ctx, KV_HEADS, HEAD_SIZE, generator=gen).to(stored)
+        for p in range(ctx):  # (through byte views: float8 has no index_put_)
+            byte_view(cache)[:, table[p // BLOCK_SIZE], p % BLOCK_SIZE] = \
+                byte_view(cache_kv)[:, p]
         slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
                   for p in range(ctx, ctx + ql)]
     num_tokens = sum(q for _, q in requests) + num_padding
@@ -44,7 +53,7 @@ def run_batch(dtype, use_kernel, monkeypatch, cache_dtype=None):
     value = torch.randn(num_tokens, KV_HEADS * HEAD_SIZE, generator=gen).to(dtype)
     output = torch.full_like(query, 5.0)
     impl = TorchSDPAImpl(HEADS, HEAD_SIZE, 1 / math.sqrt(HEAD_SIZE), KV_HEADS)
-    impl.forward(_Layer(), query, key, value, cache, md, output)
+    impl.forward(layer(), query, key, value, cache, md, output)
     return output, cache
 
 
@@ -81,6 +90,26 @@ def test_a_float32_model_over_a_16bit_cache_takes_the_kernel(cache_dtype, monkey
     torch.testing.assert_close(ours, torch_out, atol=2e-2, rtol=2e-2)
     assert (ours[-3:] == 0).all()
     torch.testing.assert_close(cache, torch_cache, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not cpu_paged_kernel.cpu_paged_attention_available(),
+                    reason="the CPU paged-attention kernel could not be built")
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_cache_on_both_paths(cache_dtype, dtype, monkeypatch):
+    """kv_cache_dtype fp8: the kernel and the torch path (which writes through byte views:
+    float8 has no index_copy_) store the same bytes (K / k_scale, V / v_scale) and agree
+    within FP8's rounding (the torch path attends a fresh prompt over its unrounded K/V)."""
+    ours, cache = run_batch(dtype, True, monkeypatch, cache_dtype, _ScaledLayer)
+    torch_out, torch_cache = run_batch(dtype, False, monkeypatch, cache_dtype, _ScaledLayer)
+    assert cache.dtype == cache_dtype
+    assert torch.equal(cache.view(torch.uint8), torch_cache.view(torch.uint8))
+    tol = 0.15 if cache_dtype == torch.float8_e5m2 else 0.08
+    torch.testing.assert_close(ours.float(), torch_out.float(), atol=tol, rtol=tol)
+    assert (ours[-3:] == 0).all()
+    # the scales count: without them the stored values read back differently
+    plain, _ = run_batch(dtype, True, monkeypatch, cache_dtype)
+    assert not torch.allclose(plain.float(), ours.float(), atol=tol, rtol=tol)
 
 
 def _decode_batch(dtype, cache):

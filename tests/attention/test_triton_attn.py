@@ -130,6 +130,37 @@ def test_a_kv_cache_of_another_dtype_still_takes_the_graph_safe_decode_path(monk
     assert torch.equal(kv_cache[1, 2, 0, 0], value[1].bfloat16())
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_cache_is_written_scaled_and_its_scales_reach_the_decode_kernel(cache_dtype,
+                                                                              monkeypatch):
+    """kv_cache_dtype fp8: the decode batch's K/V go into the cache as the CPU paths store them
+    (K / k_scale, V / v_scale, saturated; through byte views), and the kernel gets the scales."""
+    import types
+
+    from vllm.attention.backends.cache_storage import to_cache
+    from vllm.attention.backends.triton_attn import TritonAttentionImpl
+
+    calls = []
+    fake = types.ModuleType("triton_decode_kernel")
+    fake.paged_decode = lambda q, kv, table, lens, scale, out, **kw: calls.append(
+        (kv.dtype, kw["k_scale"], kw["v_scale"]))
+    monkeypatch.setitem(sys.modules, "vllm.attention.backends.triton_decode_kernel", fake)
+    layer = types.SimpleNamespace(k_scale=0.5, v_scale=4.0)
+    impl = TritonAttentionImpl(2, 8, 0.3, num_kv_heads=1)
+    md = TritonAttentionMetadataBuilder(max_rows=4, max_blocks=2).build(
+        [1, 1], [3, 1], [[1], [2]], [18, 32])
+    kv_cache = torch.zeros(2, 3, 16, 1, 8, dtype=cache_dtype)
+    query, key, value = torch.randn(2, 16), torch.randn(2, 8) * 500, torch.randn(2, 8)
+    impl.forward(layer, query, key, value, kv_cache, md, torch.empty_like(query))
+    assert calls == [(cache_dtype, 0.5, 4.0)]
+    bytes_of = lambda t: t.view(torch.uint8)  # noqa: E731
+    assert torch.equal(bytes_of(kv_cache[0, 1, 2, 0]), bytes_of(to_cache(key[0], cache_dtype,
+                                                                         0.5)))
+    assert torch.equal(bytes_of(kv_cache[1, 2, 0, 0]), bytes_of(to_cache(value[1], cache_dtype,
+                                                                         4.0)))
+    assert kv_cache.float().isfinite().all()
+
+
 def test_buffers_are_kept_for_a_device_named_without_its_index(monkeypatch):
     """"cuda" and "cuda:0" are unequal torch.device objects: the persistent buffers (the
     addresses graphs record) must not be reallocated because of the spelling."""
@@ -199,14 +230,17 @@ def test_decode_kernel_matches_the_reference():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_compiled_on_cuda_matches_the_reference(dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float8_e5m2), (torch.bfloat16, torch.float8_e4m3fn)])
+def test_decode_kernel_compiled_on_cuda_matches_the_reference(dtype, cache_dtype):
     from vllm.attention.backends.cpu_paged_kernel import paged_attention_reference
     from vllm.attention.backends.triton_decode_kernel import paged_decode
 
     torch.manual_seed(0)
     heads, kv_heads, head_size, block_size = 8, 2, 128, 16
-    kv = torch.randn(2, 40, block_size, kv_heads, head_size, dtype=dtype)
+    kv = torch.randn(2, 40, block_size, kv_heads, head_size).to(cache_dtype)
+    scales = (0.5, 2.0) if kv.element_size() == 1 else (1.0, 1.0)
     lens = [100, 1, 0, 33, 257 % (38 * block_size)]
     table = torch.zeros(6, 38, dtype=torch.int32)
     for i in range(5):
@@ -215,11 +249,11 @@ def test_decode_kernel_compiled_on_cuda_matches_the_reference(dtype):
     for window in (None, 20):
         out = torch.empty(5, heads, head_size, dtype=dtype, device="cuda")
         paged_decode(q.cuda(), kv.cuda(), table.cuda(), torch.tensor(lens + [0]).cuda(), 0.1,
-                     out, window)
+                     out, window, k_scale=scales[0], v_scale=scales[1])
         ref = torch.zeros(5, heads, head_size, dtype=dtype)
         live = torch.tensor([i for i in range(5) if lens[i]])
         paged_attention_reference(q, kv, table[:5], torch.tensor(lens), torch.arange(6), live,
-                                  0.1, ref, window)
+                                  0.1, ref, window, k_scale=scales[0], v_scale=scales[1])
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.cpu(), ref, atol=tol, rtol=tol)
 

@@ -224,8 +224,32 @@ def test_kv_cache_dtype_stores_bfloat16(llm, llama_path):
             if mine != token:  # a near tie in float32; the sequences differ from here
                 assert b[mine].logprob == pytest.approx(b[token].logprob, abs=2e-2)
                 break
-    with pytest.raises(ValueError, match="got 'fp8' \\(FP8 KV caches are not implemented\\)"):
-        LLM(model=llama_path, optimization_level=0, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, .*fp8_e5m2; "
+                                         "got 'int8'"):
+        LLM(model=llama_path, optimization_level=0, kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("name,dtype,tol", [("fp8", torch.float8_e4m3fn, 0.1),
+                                            ("fp8_e5m2", torch.float8_e5m2, 0.25)])
+def test_kv_cache_dtype_fp8(llm, llama_path, name, dtype, tol):
+    """kv_cache_dtype="fp8" (E4M3, as upstream's) and "fp8_e5m2": one byte a value, a quarter
+    of the float32 model's cache per block; generation runs (through the CPU kernel where it
+    is built) with the first greedy tokens and the logprobs near the float32 cache's (E5M2
+    keeps 2 bits of mantissa, E4M3 3)."""
+    eight = LLM(model=llama_path, optimization_level=0, max_model_len=256, kv_cache_dtype=name)
+    runner = eight.llm_engine.executor.worker.model_runner
+    assert {c.dtype for c in runner.kv_caches.values()} == {dtype}
+    assert {layer.k_scale for layer in runner.attention_layers.values()} == {1.0}
+    params = greedy(8, logprobs=2)
+    for ours, ref in zip(eight.generate(PROMPTS[:2], params, use_tqdm=False),
+                         llm.generate(PROMPTS[:2], params, use_tqdm=False)):
+        assert ours.outputs[0].token_ids[:2] == ref.outputs[0].token_ids[:2]
+        for a, b, mine, token in zip(ours.outputs[0].logprobs, ref.outputs[0].logprobs,
+                                     ours.outputs[0].token_ids, ref.outputs[0].token_ids):
+            assert a[mine].logprob == pytest.approx(b[token].logprob, abs=tol)
+            if mine != token:  # a near tie in float32; the sequences differ from here
+                assert b[mine].logprob == pytest.approx(b[token].logprob, abs=tol)
+                break
 
 
 def test_kv_cache_is_mapped_for_huge_pages(llm):

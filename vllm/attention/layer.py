@@ -78,6 +78,23 @@ class Attention(nn.Module):
         # A plain attribute (not a buffer): the engine binds the real cache with
         # bind_kv_cache(); built on the CPU so meta-device construction leaves it usable.
         self.kv_cache = torch.empty(0, device="cpu")
+        # An FP8 KV cache holds K / k_scale and V / v_scale (`set_kv_scale`, from the
+        # checkpoint); other caches ignore them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def set_kv_scale(self, which: str, value: torch.Tensor | float) -> None:
+        """Set `k_scale`, `v_scale` or both ("kv") from a checkpoint's scale (a scalar, or one
+        value per shard: the largest counts)."""
+        scale = float(torch.as_tensor(value).float().max()) if isinstance(
+            value, torch.Tensor) else float(value)
+        if not (scale > 0.0 and scale != float("inf")):
+            raise ValueError(f"{which}_scale of {self.layer_name!r} must be a positive finite "
+                             f"number, got {scale}")
+        if which in ("k", "kv"):
+            self.k_scale = scale
+        if which in ("v", "kv"):
+            self.v_scale = scale
 
     def forward(self, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:

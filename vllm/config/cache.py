@@ -7,6 +7,10 @@ from vllm.config.utils import hash_fields, parse_human_size
 
 _CACHE_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
                         "float": "float32", "fp32": "float32"}
+# FP8 caches: the stored torch dtype of each name ("fp8" is E4M3, as upstream's).
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                    "fp8_e5m2": "float8_e5m2"}
+CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", *FP8_CACHE_DTYPES)
 
 
 @dataclass
@@ -22,7 +26,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks (tests, debugging)."""
     cache_dtype: str = "auto"
-    """"auto" = the model's compute dtype."""
+    """"auto" = the model's compute dtype; "bfloat16", "float16", "float32"; "fp8" (=
+    "fp8_e4m3") or "fp8_e5m2": one byte per value, each layer's K and V divided by its
+    k_scale / v_scale (from the checkpoint, else 1.0) and saturated."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -39,11 +45,9 @@ class CacheConfig:
             raise ValueError("num_gpu_blocks_override must be at least 2 (one block is reserved "
                              f"for padding), got {self.num_gpu_blocks_override}")
         self.cache_dtype = _CACHE_DTYPE_ALIASES.get(str(self.cache_dtype), self.cache_dtype)
-        if self.cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            hint = (" (FP8 KV caches are not implemented)"
-                    if str(self.cache_dtype).startswith("fp8") else "")
-            raise ValueError(f"kv_cache_dtype must be one of auto, bfloat16, float16, float32; "
-                             f"got {self.cache_dtype!r}{hint}")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(CACHE_DTYPES)}; "
+                             f"got {self.cache_dtype!r}")
 
     def compute_hash(self) -> str:
         # Memory sizing never changes the compiled graph.

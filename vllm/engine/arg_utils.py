@@ -255,7 +255,9 @@ class EngineArgs:
                            help="Reuse the KV blocks of shared prompt prefixes.")
         cache.add_argument("--kv-cache-dtype", type=str, default=d.kv_cache_dtype,
                            help="dtype of the stored keys and values: auto (the model's), "
-                           "bfloat16, float16 or float32. Default: %(default)s.")
+                           "bfloat16, float16, float32, fp8 (= fp8_e4m3) or fp8_e5m2 (one byte "
+                           "a value, scaled by the checkpoint's k_scale / v_scale, else 1.0). "
+                           "Default: %(default)s.")
         cache.add_argument("--num-gpu-blocks-override", type=positive_int,
                            default=d.num_gpu_blocks_override,
                            help="Use exactly this many KV blocks (tests, debugging).")

@@ -23,6 +23,7 @@ import os
 import torch
 
 from vllm.attention.backends.abstract import check_logits_soft_cap, check_sliding_window
+from vllm.attention.backends.cache_storage import FP8_CACHE_DTYPES
 from vllm.utils.cpu_kernels import load_cpu_extension
 
 _SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc",
@@ -32,11 +33,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def kernel_takes(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the kernel computes a `query_dtype` query over a `cache_dtype` KV cache: the
-    same supported dtype, or a float32 query over a bfloat16 or float16 cache
-    (kv_cache_dtype under a float32 model: the cache's bytes halve, the math stays float32)."""
-    if query_dtype == cache_dtype:
-        return cache_dtype in SUPPORTED_DTYPES
-    return query_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)
+    same supported dtype, an FP8 cache under any of them, or a float32 query over a bfloat16 or
+    float16 cache (kv_cache_dtype under a float32 model). The math is float32 throughout."""
+    if query_dtype not in SUPPORTED_DTYPES:
+        return False
+    return (query_dtype == cache_dtype or cache_dtype in FP8_CACHE_DTYPES
+            or (query_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)))
 
 
 def cpu_paged_attention_available() -> bool:
@@ -58,17 +60,20 @@ def soft_cap_arg(soft_cap: float | None) -> float:
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     req_indices: torch.Tensor, scale: float, out: torch.Tensor,
-                    window: int | None = None, soft_cap: float | None = None) -> None:
+                    window: int | None = None, soft_cap: float | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Attention of the listed requests' query rows over their paged K/V, written into `out`.
 
     query/out [T, H, D] (channel dim dense), kv_cache [2, num_blocks, block_size, KVH, D]
     contiguous, of a dtype `kernel_takes` under the query's, block_table [R, max_blocks]
     int32, seq_lens [R] int64, query_start_loc [R + 1] int64, req_indices [n] int64, window:
-    a sliding window (None: none), soft_cap: logits soft-capping (None: none). Needs
+    a sliding window (None: none), soft_cap: logits soft-capping (None: none); the cache
+    holds K / k_scale and V / v_scale (an FP8 cache's scales). Needs
     `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
                                             query_start_loc, req_indices, scale, out,
-                                            window_arg(window), soft_cap_arg(soft_cap))
+                                            window_arg(window), soft_cap_arg(soft_cap),
+                                            k_scale, v_scale)
 
 
 def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -76,16 +81,18 @@ def write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      block_table: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, req_indices: torch.Tensor, scale: float,
                      out: torch.Tensor, window: int | None = None,
-                     soft_cap: float | None = None) -> None:
+                     soft_cap: float | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> None:
     """Write key/value rows 0..len(slot_mapping)-1 into the cache by slot, then
     `paged_attention`. query/out [T, H * D], key/value [T, KVH * D] (row-strided is fine),
     all of one dtype, the cache's or one `kernel_takes` it under (rows are then rounded to
-    the cache's dtype, to nearest even); slot_mapping int64. Needs
+    the cache's dtype, to nearest even; into an FP8 cache divided by k_scale / v_scale first
+    and saturated, as `cache_storage.to_cache` stores them); slot_mapping int64. Needs
     `cpu_paged_attention_available()`."""
     torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
                                              block_table, seq_lens, query_start_loc,
                                              req_indices, scale, out, window_arg(window),
-                                             soft_cap_arg(soft_cap))
+                                             soft_cap_arg(soft_cap), k_scale, v_scale)
 
 
 def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -93,11 +100,13 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
                               query_start_loc: torch.Tensor, req_indices: torch.Tensor,
                               scale: float, out: torch.Tensor,
                               window: int | None = None,
-                              soft_cap: float | None = None) -> None:
+                              soft_cap: float | None = None, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> None:
     """The kernel's contract in plain torch (one request at a time, float32 math): query row
     i of a request with `context` cached tokens sits at position p = context + i and sees the
     keys at positions j <= p, and with a sliding window W only those with j > p - W; with a
-    `soft_cap` c each scaled score s becomes c * tanh(s / c) before the mask and softmax."""
+    `soft_cap` c each scaled score s becomes c * tanh(s / c) before the mask and softmax; the
+    cached K and V are multiplied by k_scale and v_scale."""
     window = window_arg(window)
     soft_cap = check_logits_soft_cap(soft_cap, "soft_cap")
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -113,8 +122,8 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor,
         first = max(0, context - window + 1) if window else 0
         positions = torch.arange(first, seq_len)
         blocks = block_table[r].long()[positions // block_size]
-        keys = kv_cache[0, blocks, positions % block_size].float()  # [S, KVH, D]
-        values = kv_cache[1, blocks, positions % block_size].float()
+        keys = kv_cache[0, blocks, positions % block_size].float() * k_scale  # [S, KVH, D]
+        values = kv_cache[1, blocks, positions % block_size].float() * v_scale
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         values = values.repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[start:end].float().transpose(0, 1)  # [H, ql, D]

@@ -7,7 +7,8 @@ masked by the request's sequence length).
 
 On the CPU, when the C++ kernel of cpu_paged_kernel.py is built, one call per layer computes
 every request (decode rows, fresh prompts and chunks with context) straight from the paged
-cache (a float32 model's cache may be bfloat16 or float16: kv_cache_dtype). Elsewhere, or
+cache (a float32 model's cache may be bfloat16 or float16, any model's FP8:
+kv_cache_dtype; cache_storage.py says what an FP8 cache holds). Elsewhere, or
 when the kernel cannot serve the batch (a build failure, another pair of query and cache
 dtypes), the plain-torch path runs.
 
@@ -47,6 +48,7 @@ from vllm.attention.backends.abstract import (
     AttentionMetadata,
     AttentionMetadataBuilder,
 )
+from vllm.attention.backends.cache_storage import byte_view, from_cache, kv_scales, to_cache
 
 DUMMY_BLOCK_ID = 0
 
@@ -254,7 +256,8 @@ class TorchSDPAImpl(AttentionImpl):
             result = output if output_scale is None else torch.empty_like(query)
             self._kernel_op(query, key, value, kv_cache, slots, md.block_table, md.seq_lens,
                             md.query_start_loc, requests, self.scale, result,
-                            self._kernel_window, self._kernel_soft_cap)
+                            self._kernel_window, self._kernel_soft_cap,
+                            *kv_scales(layer, kv_cache))
             if md.num_actual_tokens < num_tokens:
                 result[md.num_actual_tokens:].zero_()
             if output_scale is not None:
@@ -267,9 +270,12 @@ class TorchSDPAImpl(AttentionImpl):
         v = value.view(num_tokens, kv_heads, head_size)
         out = output.view(num_tokens, heads, head_size)
         _, num_blocks, block_size = kv_cache.shape[:3]
-        flat_cache = kv_cache.view(2, num_blocks * block_size, kv_heads, head_size)
-        flat_cache[0].index_copy_(0, slots, k[:num_slots].to(kv_cache.dtype))
-        flat_cache[1].index_copy_(0, slots, v[:num_slots].to(kv_cache.dtype))
+        scales = kv_scales(layer, kv_cache)
+        # (through byte views: index_copy_ has no float8 kernel)
+        flat_cache = byte_view(kv_cache).view(2, num_blocks * block_size, kv_heads, -1)
+        for i, (rows, scale) in enumerate(zip((k, v), scales)):
+            new = to_cache(rows[:num_slots], kv_cache.dtype, scale)
+            flat_cache[i].index_copy_(0, slots, byte_view(new))
         if md.num_actual_tokens < num_tokens:
             out[md.num_actual_tokens:].zero_()
 
@@ -280,28 +286,30 @@ class TorchSDPAImpl(AttentionImpl):
                                                                 window)
         gqa = heads != kv_heads
         if plan.decode is not None:
-            self._decode(q, out, kv_cache, plan.decode, gqa)
+            self._decode(q, out, kv_cache, plan.decode, gqa, scales)
         for req, start, query_len, seq_len in plan.others:
-            self._prefill(q, k, v, out, kv_cache, md, req, start, query_len, seq_len, gqa)
+            self._prefill(q, k, v, out, kv_cache, md, req, start, query_len, seq_len, gqa,
+                          scales)
         return output
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-                plan: _DecodePlan, gqa: bool) -> None:
+                plan: _DecodePlan, gqa: bool, scales: tuple[float, float]) -> None:
         batch, num_blocks = plan.block_table.shape
         block_size = kv_cache.shape[2]
         # One index_select over whole blocks (rows of K and V together) is ~2x faster on the
         # CPU than advanced indexing of the 5-D cache.
         gathered = _gather_blocks(kv_cache, plan.block_table.flatten()).view(
             2, batch, num_blocks * block_size, self.num_kv_heads, self.head_size)
-        keys = gathered[0].transpose(1, 2).to(q.dtype)  # [B, kv_heads, max_len, hd]
-        values = gathered[1].transpose(1, 2).to(q.dtype)
+        # [B, kv_heads, max_len, hd]
+        keys = from_cache(gathered[0].transpose(1, 2), q.dtype, scales[0])
+        values = from_cache(gathered[1].transpose(1, 2), q.dtype, scales[1])
         queries = q[plan.token_index].unsqueeze(2)  # [B, heads, 1, hd]
         result = _sdpa(queries, keys, values, plan.mask, False, self.scale, gqa,
                        self.logits_soft_cap)
         out[plan.token_index] = self._to_output(result.squeeze(2))
 
     def _prefill(self, q, k, v, out, kv_cache, md, req, start, query_len, seq_len,
-                 gqa) -> None:
+                 gqa, scales) -> None:
         end = start + query_len
         queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, ql, hd]
         context_len = seq_len - query_len
@@ -324,7 +332,8 @@ class TorchSDPAImpl(AttentionImpl):
                 blocks = md.block_table[req, first_block:num_blocks].to(torch.int64)
                 gathered = _gather_blocks(kv_cache, blocks).view(
                     2, -1, self.num_kv_heads, self.head_size)[:, :seq_len - key0]
-                keys, values = gathered[0], gathered[1]
+                keys = from_cache(gathered[0], q.dtype, scales[0])
+                values = from_cache(gathered[1], q.dtype, scales[1])
             positions = torch.arange(key0, seq_len, device=q.device).unsqueeze(0)
             mask = positions <= rows
             if window is not None:

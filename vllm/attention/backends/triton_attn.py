@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from vllm.attention.backends.abstract import AttentionCGSupport
+from vllm.attention.backends.cache_storage import byte_view, kv_scales, to_cache
 from vllm.attention.backends.torch_sdpa import (
     DUMMY_BLOCK_ID,
     TorchSDPABackend,
@@ -134,20 +135,24 @@ class TritonAttentionImpl(TorchSDPAImpl):
                              "[2, num_blocks, block_size, num_kv_heads, head_size]")
         rows = query.shape[0]
         heads, kv_heads, head_size = self.num_heads, self.num_kv_heads, self.head_size
-        flat = kv_cache.view(2, -1, kv_heads, head_size)
+        flat = byte_view(kv_cache).view(2, -1, kv_heads, head_size)
         slots = md.slot_mapping[:rows]
+        scales = kv_scales(layer, kv_cache)
         # A KV cache of another dtype than the activations is written converted (the kernel
-        # reads every operand as float32): TORCH_SDPA's path would take its sizes from the
-        # host, which a full CUDA graph records once.
-        flat[0].index_copy_(0, slots, key.view(rows, kv_heads, head_size).to(kv_cache.dtype))
-        flat[1].index_copy_(0, slots, value.view(rows, kv_heads, head_size).to(kv_cache.dtype))
+        # reads every operand as float32; an FP8 cache's rows divided by their scale, through
+        # byte views): TORCH_SDPA's path would take its sizes from the host, which a full CUDA
+        # graph records once.
+        for i, (rows_in, scale) in enumerate(zip((key, value), scales)):
+            new = to_cache(rows_in.view(rows, kv_heads, head_size), kv_cache.dtype, scale)
+            flat[i].index_copy_(0, slots, byte_view(new))
         result = output if output_scale is None else torch.empty_like(query)
         try:
             from vllm.attention.backends.triton_decode_kernel import paged_decode
 
             paged_decode(query.view(rows, heads, head_size), kv_cache, md.decode_block_table,
                          md.decode_seq_lens, self.scale, result.view(rows, heads, head_size),
-                         window=self.sliding_window, soft_cap=self.logits_soft_cap)
+                         window=self.sliding_window, soft_cap=self.logits_soft_cap,
+                         k_scale=scales[0], v_scale=scales[1])
         except Exception as e:
             raise RuntimeError(
                 f"the TRITON_ATTN decode kernel failed ({type(e).__name__}: {e}); "

@@ -23,6 +23,7 @@ from vllm.attention.backends.abstract import check_logits_soft_cap
 
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens_ptr, scale,
+                         v_scale,
                          stride_q_row, stride_q_head, stride_o_row, stride_o_head,
                          stride_table_row, stride_k_block, stride_k_slot, stride_k_head, window,
                          soft_cap, SOFT_CAP: tl.constexpr, GROUP: tl.constexpr,
@@ -71,7 +72,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, block_table_ptr, seq_lens
         v = tl.load(v_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    result = tl.where(denom[:, None] > 0, acc / tl.maximum(denom, 1e-30)[:, None], 0.0)
+    result = tl.where(denom[:, None] > 0, acc * v_scale / tl.maximum(denom, 1e-30)[:, None],
+                      0.0)
     tl.store(out_ptr + row * stride_o_row + heads[:, None] * stride_o_head + d[None, :],
              result.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
@@ -89,10 +91,12 @@ def _p2(n: int) -> int:
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                 window: int | None = None, soft_cap: float | None = None) -> None:
+                 window: int | None = None, soft_cap: float | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out[i] = attention of query row i (its token at position seq_lens[i] - 1) over the
     first seq_lens[i] positions of its paged K/V (with a sliding window W only the last W;
     with a `soft_cap` c each scaled score s becomes c * tanh(s / c) before the softmax).
+    The cache holds K / k_scale and V / v_scale (an FP8 cache's scales; 1.0 otherwise).
 
     query/out [N, H, D] (head and channel dims dense; rows may be strided), kv_cache
     [2, num_blocks, block_size, KVH, D] contiguous, block_table [>= N, max_blocks] int32 with
@@ -114,7 +118,7 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     group = heads // kv_heads
     keys, values = kv_cache[0], kv_cache[1]
     _paged_decode_kernel[(rows, kv_heads)](
-        query, keys, values, out, block_table, seq_lens, float(scale),
+        query, keys, values, out, block_table, seq_lens, float(scale) * k_scale, float(v_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         keys.stride(0), keys.stride(1), keys.stride(2), int(window or 0),
         soft_cap or 0.0, SOFT_CAP=soft_cap is not None, GROUP=group, GROUP_P2=_p2(group),

@@ -2,16 +2,20 @@
 //
 //   torch.ops.vllm_cpu_attn.paged_attention(query, kv_cache, block_table, seq_lens,
 //                                           query_start_loc, req_indices, scale, out,
-//                                           window=0, soft_cap=0.0)
+//                                           window=0, soft_cap=0.0, k_scale=1.0,
+//                                           v_scale=1.0)
 //   torch.ops.vllm_cpu_attn.write_and_attend(query, key, value, kv_cache, slot_mapping,
 //                                            block_table, seq_lens, query_start_loc,
 //                                            req_indices, scale, out, window=0,
-//                                            soft_cap=0.0)
+//                                            soft_cap=0.0, k_scale=1.0, v_scale=1.0)
 //                                            (2-D q/k/v/out)
 //
 // query  [T, H, D]   (rows may be strided; the head and channel dims must be dense)
-// kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, the query's dtype, or bfloat16
-//                                               or float16 under a float32 query
+// kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, the query's dtype, bfloat16 or
+//                                               float16 under a float32 query, or FP8
+//                                               (float8_e4m3fn, float8_e5m2) under any query
+// k_scale, v_scale: the cache holds K / k_scale and V / v_scale (FP8 caches' per-layer scales;
+// 1.0 otherwise); written rows are divided by them, read ones multiplied
 // block_table [R, max_blocks] int32, seq_lens [R] int64, query_start_loc [R + 1] int64
 // req_indices [n] int64: the requests to compute (others' rows of `out` are left alone)
 // out    [T, H, D]   written for the rows of the listed requests
@@ -41,6 +45,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -146,6 +152,18 @@ inline V soft_cap(V x, float cap, float inv_cap) {
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(c10::Half v) { return static_cast<float>(v); }
+inline float to_float(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
+inline float to_float(c10::Float8_e5m2 v) { return static_cast<float>(v); }
+
+// FP8 caches: the largest finite value of each format (a stored value saturates there).
+template <typename T>
+constexpr float kFp8Max = 0.0f;
+template <>
+constexpr float kFp8Max<c10::Float8_e4m3fn> = 448.0f;
+template <>
+constexpr float kFp8Max<c10::Float8_e5m2> = 57344.0f;
+template <typename T>
+constexpr bool kIsFp8 = kFp8Max<T> > 0.0f;
 
 template <typename T>
 inline T from_float(float v) {
@@ -248,6 +266,28 @@ inline vl load_lanes(const c10::Half* p) {
 #endif
   return v;
 }
+
+// FP8 through float16: an e5m2 byte is the high byte of the float16 of the same value; an
+// e4m3fn byte's exponent and mantissa bits, moved into a float16's (the sign to its sign),
+// read 2^-8 of the value (float16's exponent bias is 8 more), subnormals included.
+template <typename Fp8>
+inline vl load_fp8_lanes(const Fp8* p) {
+  typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
+  typedef uint16_t vu16 __attribute__((vector_size(kLanes * 2)));
+  vu8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  const vu16 b = __builtin_convertvector(raw, vu16);
+  vu16 half_bits;
+  if constexpr (std::is_same_v<Fp8, c10::Float8_e5m2>)
+    half_bits = b << 8;
+  else
+    half_bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8);
+  vl v = load_lanes(reinterpret_cast<const c10::Half*>(&half_bits));
+  if constexpr (std::is_same_v<Fp8, c10::Float8_e4m3fn>) v *= 256.0f;
+  return v;
+}
+inline vl load_lanes(const c10::Float8_e4m3fn* p) { return load_fp8_lanes(p); }
+inline vl load_lanes(const c10::Float8_e5m2* p) { return load_fp8_lanes(p); }
 
 // dst[0:n] = float(src[0:n]).
 // (Plain loops the compiler vectorizes at the ISA's own width: a copy through 16-lane vectors
@@ -734,7 +774,7 @@ template <typename QT, typename T, bool kCap>
 void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
          const at::Tensor& req_indices, double scale_d, int64_t window, double cap_d,
-         at::Tensor& out) {
+         double k_scale, double v_scale, at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   const int64_t G = H / KVH;
@@ -744,7 +784,10 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   const int64_t c_blk = BS * c_pos;         // of one block
   const int64_t c_kv = num_blocks * c_blk;  // K -> V
   const int64_t bt_row = block_table.stride(0);
-  const float scale = static_cast<float>(scale_d);
+  // The cache holds K / k_scale and V / v_scale: k_scale goes into the query's scale, v_scale
+  // into each output row's softmax normalization.
+  const float scale = static_cast<float>(scale_d * k_scale);
+  const float out_scale = static_cast<float>(v_scale);
   const float cap = static_cast<float>(cap_d);
   const float inv_cap = kCap ? 1.0f / cap : 0.0f;
   // Keys a query row at position p may see start at first_visible(p); window <= 0: all.
@@ -944,7 +987,7 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
             const int64_t tok = starts[it.req] + it.row0 + t;
             for (int64_t j = 0; j < G; ++j) {
               const int64_t row = (g - it.head0) * head_rows + t * G + j;
-              const float inv = s.l[row] > 0.0f ? 1.0f / s.l[row] : 0.0f;
+              const float inv = s.l[row] > 0.0f ? out_scale / s.l[row] : 0.0f;
               const float* a = s.acc.data() + row * D;
               QT* dst = o_ptr + tok * o_tok + (g * G + j) * o_head;
               for (int64_t d = 0; d < D; ++d) dst[d] = from_float<QT>(a[d] * inv);
@@ -957,26 +1000,64 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
 }
 
 // The (query, cache) dtype pairs the kernel is built for: one of float32, bfloat16 and
-// float16 for both, or a float32 query over a 16-bit cache (kv_cache_dtype="bfloat16" or
-// "float16" under a float32 model: half the cache's bytes to read; the arithmetic stays float).
+// float16 for both; a float32 query over a 16-bit cache (kv_cache_dtype="bfloat16" or
+// "float16" under a float32 model: half the cache's bytes to read); any of the three over an
+// FP8 cache (float8_e4m3fn or float8_e5m2, kv_cache_dtype="fp8..."). The arithmetic is float32.
 bool cache_dtype_supported(at::ScalarType query, at::ScalarType cache) {
+  const bool query_ok =
+      query == at::kFloat || query == at::kBFloat16 || query == at::kHalf;
   const bool cache_16 = cache == at::kBFloat16 || cache == at::kHalf;
-  return (query == cache && (cache_16 || cache == at::kFloat)) ||
-         (query == at::kFloat && cache_16);
+  const bool cache_8 = cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2;
+  return query_ok && (query == cache || cache_8 || (query == at::kFloat && cache_16));
+}
+
+std::string unsupported_pair(const char* op, const at::Tensor& query,
+                             const at::Tensor& kv_cache) {
+  return std::string(op) + ": a " + c10::toString(query.scalar_type()) + " query over a " +
+         c10::toString(kv_cache.scalar_type()) +
+         " cache is not supported (the cache must have the query's dtype, be Float8_e4m3fn or "
+         "Float8_e5m2, or be BFloat16 or Half under a Float query)";
+}
+
+// Calls f(QT{}, T{}) for the query and cache types of a supported pair.
+template <typename F>
+void dispatch_types(at::ScalarType query, at::ScalarType cache, F&& f) {
+  const auto with_query = [&](auto cache_type) {
+    switch (query) {
+      case at::kFloat:
+        return f(float{}, cache_type);
+      case at::kBFloat16:
+        return f(c10::BFloat16{}, cache_type);
+      default:  // at::kHalf (cache_dtype_supported)
+        return f(c10::Half{}, cache_type);
+    }
+  };
+  switch (cache) {
+    case at::kFloat:
+      return f(float{}, float{});
+    case at::kBFloat16:
+      return query == at::kFloat ? f(float{}, c10::BFloat16{})
+                                 : f(c10::BFloat16{}, c10::BFloat16{});
+    case at::kHalf:
+      return query == at::kFloat ? f(float{}, c10::Half{}) : f(c10::Half{}, c10::Half{});
+    case at::kFloat8_e4m3fn:
+      return with_query(c10::Float8_e4m3fn{});
+    default:  // at::kFloat8_e5m2
+      return with_query(c10::Float8_e5m2{});
+  }
 }
 
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& req_indices,
-                     double scale, at::Tensor out, int64_t window, double soft_cap) {
+                     double scale, at::Tensor out, int64_t window, double soft_cap,
+                     double k_scale, double v_scale) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "query and out must share a dtype");
   TORCH_CHECK(cache_dtype_supported(query.scalar_type(), kv_cache.scalar_type()),
-              "paged_attention: a ", query.scalar_type(), " query over a ",
-              kv_cache.scalar_type(), " cache is not supported (the cache must have the "
-              "query's dtype, or be BFloat16 or Half under a Float query)");
+              unsupported_pair("paged_attention", query, kv_cache));
   TORCH_CHECK(query.size(2) == kv_cache.size(4) && out.sizes() == query.sizes(),
               "head sizes differ");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of KV heads");
@@ -991,24 +1072,18 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "seq_lens, query_start_loc and req_indices must be contiguous int64");
   TORCH_CHECK(std::isfinite(soft_cap) && soft_cap >= 0.0,
               "soft_cap must be 0 (none) or a positive finite number, got ", soft_cap);
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0.0 && std::isfinite(v_scale) &&
+                  v_scale > 0.0,
+              "k_scale and v_scale must be positive finite numbers, got ", k_scale, " and ",
+              v_scale);
   const auto dispatch = [&](auto cap_flag) {
     constexpr bool kCap = decltype(cap_flag)::value;
-    const auto go = [&](auto query_type, auto cache_type) {
-      run<decltype(query_type), decltype(cache_type), kCap>(
-          query, kv_cache, block_table, seq_lens, query_start_loc, req_indices, scale, window,
-          soft_cap, out);
-    };
-    const bool float_query = query.scalar_type() == at::kFloat;
-    switch (kv_cache.scalar_type()) {
-      case at::kFloat:
-        go(float{}, float{});
-        break;
-      case at::kBFloat16:
-        float_query ? go(float{}, c10::BFloat16{}) : go(c10::BFloat16{}, c10::BFloat16{});
-        break;
-      default:  // at::kHalf (cache_dtype_supported)
-        float_query ? go(float{}, c10::Half{}) : go(c10::Half{}, c10::Half{});
-    }
+    dispatch_types(query.scalar_type(), kv_cache.scalar_type(),
+                   [&](auto query_type, auto cache_type) {
+                     run<decltype(query_type), decltype(cache_type), kCap>(
+                         query, kv_cache, block_table, seq_lens, query_start_loc, req_indices,
+                         scale, window, soft_cap, k_scale, v_scale, out);
+                   });
   };
   if (soft_cap > 0.0)
     dispatch(std::true_type{});
@@ -1024,7 +1099,8 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
                       at::Tensor kv_cache, const at::Tensor& slot_mapping,
                       const at::Tensor& block_table, const at::Tensor& seq_lens,
                       const at::Tensor& query_start_loc, const at::Tensor& req_indices,
-                      double scale, at::Tensor out, int64_t window, double soft_cap) {
+                      double scale, at::Tensor out, int64_t window, double soft_cap,
+                      double k_scale, double v_scale) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, KVH, D] tensor");
   const int64_t D = kv_cache.size(4), KVH = kv_cache.size(3);
@@ -1040,9 +1116,11 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
                   value.scalar_type() == query.scalar_type(),
               "query, key and value must share a dtype");
   TORCH_CHECK(cache_dtype_supported(query.scalar_type(), kv_cache.scalar_type()),
-              "write_and_attend: a ", query.scalar_type(), " query over a ",
-              kv_cache.scalar_type(), " cache is not supported (the cache must have the "
-              "query's dtype, or be BFloat16 or Half under a Float query)");
+              unsupported_pair("write_and_attend", query, kv_cache));
+  TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0.0 && std::isfinite(v_scale) &&
+                  v_scale > 0.0,
+              "k_scale and v_scale must be positive finite numbers, got ", k_scale, " and ",
+              v_scale);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() <= key.size(0),
               "slot_mapping must be contiguous int64 with at most one entry per token");
@@ -1055,18 +1133,26 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   const char* v_src = static_cast<const char*>(value.data_ptr());
   const int64_t k_stride = key.stride(0) * key.element_size();
   const int64_t v_stride = value.stride(0) * value.element_size();
-  // A float32 row into a 16-bit cache is rounded to nearest even.
-  const auto narrow_row = [&](char* dst, const char* src) {
-    const float* f = reinterpret_cast<const float*>(src);
-    if (kv_cache.scalar_type() == at::kBFloat16) {
-      c10::BFloat16* d = reinterpret_cast<c10::BFloat16*>(dst);
-      for (int64_t i = 0; i < KVH * D; ++i) d[i] = c10::BFloat16(f[i]);
-    } else {
-      c10::Half* d = reinterpret_cast<c10::Half*>(dst);
-      for (int64_t i = 0; i < KVH * D; ++i) d[i] = c10::Half(f[i]);
-    }
+  // A row of another dtype is converted, rounded to nearest even; into an FP8 cache it is
+  // divided by its scale first and saturates at the format's largest finite value.
+  const auto convert_row = [&](char* dst, const char* src, float inv_scale) {
+    dispatch_types(key.scalar_type(), kv_cache.scalar_type(), [&](auto src_type, auto dst_type) {
+      using S = decltype(src_type);
+      using C = decltype(dst_type);
+      const S* in = reinterpret_cast<const S*>(src);
+      C* o = reinterpret_cast<C*>(dst);
+      for (int64_t i = 0; i < KVH * D; ++i) {
+        if constexpr (kIsFp8<C>) {
+          const float v = to_float(in[i]) * inv_scale;
+          o[i] = C(std::min(std::max(v, -kFp8Max<C>), kFp8Max<C>));
+        } else {
+          o[i] = C(to_float(in[i]));
+        }
+      }
+    });
   };
   const bool same = key.scalar_type() == kv_cache.scalar_type();
+  const float inv_k = static_cast<float>(1.0 / k_scale), inv_v = static_cast<float>(1.0 / v_scale);
   for (int64_t t = 0; t < slot_mapping.numel(); ++t) {
     const int64_t slot = slots[t];
     TORCH_CHECK(slot >= 0 && slot < n_slots, "slot ", slot, " out of range");
@@ -1074,13 +1160,14 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
       std::memcpy(k_cache + slot * row_bytes, k_src + t * k_stride, row_bytes);
       std::memcpy(v_cache + slot * row_bytes, v_src + t * v_stride, row_bytes);
     } else {
-      narrow_row(k_cache + slot * row_bytes, k_src + t * k_stride);
-      narrow_row(v_cache + slot * row_bytes, v_src + t * v_stride);
+      convert_row(k_cache + slot * row_bytes, k_src + t * k_stride, inv_k);
+      convert_row(v_cache + slot * row_bytes, v_src + t * v_stride, inv_v);
     }
   }
   paged_attention(query.as_strided({T, H, D}, {query.stride(0), D, 1}), kv_cache, block_table,
                   seq_lens, query_start_loc, req_indices, scale,
-                  out.as_strided({T, H, D}, {out.stride(0), D, 1}), window, soft_cap);
+                  out.as_strided({T, H, D}, {out.stride(0), D, 1}), window, soft_cap, k_scale,
+                  v_scale);
 }
 
 #include "cpu_isa_level.h"
@@ -1092,12 +1179,12 @@ TORCH_LIBRARY(vllm_cpu_attn, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor req_indices, float scale, Tensor(a!) out, "
-      "int window=0, float soft_cap=0.0) -> ()");
+      "int window=0, float soft_cap=0.0, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
   m.def(
       "write_and_attend(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor query_start_loc, "
       "Tensor req_indices, float scale, Tensor(b!) out, int window=0, "
-      "float soft_cap=0.0) -> ()");
+      "float soft_cap=0.0, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.impl("write_and_attend", c10::DispatchKey::CPU, &write_and_attend);
 }

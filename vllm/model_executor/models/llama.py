@@ -58,6 +58,21 @@ logger = init_logger(__name__)
 # Checkpoint tensors that are not parameters (buffers some exporters wrote).
 SKIPPED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached",
                            "rotary_emb.sin_cached")
+# A checkpoint's FP8 KV-cache scales, under `<layer>.self_attn.`: the suffix -> which scale
+# of the layer's Attention (llm-compressor / the fp8 method, compressed-tensors' output
+# scales, ModelOpt's, the older single kv_scale for both).
+KV_SCALE_SUFFIXES = {"k_scale": "k", "v_scale": "v", "attn.k_scale": "k", "attn.v_scale": "v",
+                     "k_proj.output_scale": "k", "v_proj.output_scale": "v",
+                     "k_proj.k_scale": "k", "v_proj.v_scale": "v", "kv_scale": "kv",
+                     "attn.kv_scale": "kv"}
+
+
+def kv_scale_target(name: str) -> tuple[str, str] | None:
+    """(the Attention layer's name, "k" / "v" / "kv") of a checkpoint's KV-cache scale, or
+    None for any other tensor."""
+    base, sep, rest = name.rpartition(".self_attn.")
+    which = KV_SCALE_SUFFIXES.get(rest) if sep else None
+    return (f"{base}.self_attn.attn", which) if which else None
 
 
 def maybe_prefix(prefix: str, name: str) -> str:
@@ -319,7 +334,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors into the parameters through their weight loaders.
 
         Returns loaded keys: a parameter's name, or "name:shard" for each part of a packed
-        parameter (compare with the `shard_ids` attribute). Unknown tensors raise ValueError."""
+        parameter (compare with the `shard_ids` attribute). Unknown tensors raise ValueError.
+        FP8 KV-cache scales (`kv_scale_target`) go to their Attention layer's k_scale /
+        v_scale (used by an FP8 KV cache only)."""
         params = dict(self.named_parameters())
         tied = getattr(self.config, "tie_word_embeddings", False)
         pp = self.vllm_config.parallel_config.pipeline_parallel_size > 1
@@ -329,6 +346,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if tied and name.startswith("lm_head."):
                 continue  # the embedding is the LM head
+            target = kv_scale_target(name)
+            if target is not None and (target[0] in self.attention_layers or pp):
+                if target[0] in self.attention_layers:  # (else another stage's layer)
+                    self.attention_layers[target[0]].set_kv_scale(target[1], tensor)
+                continue
             if pp and is_pp_missing_parameter(name, self):
                 continue  # another pipeline stage's
             key = self._load_one(name, tensor, params)
