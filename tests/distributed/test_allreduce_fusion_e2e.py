@@ -23,7 +23,8 @@ except ImportError:  # tests/ itself on sys.path
 from vllm import LLM, SamplingParams
 from vllm.compilation.passes.fusion.matcher_utils import fusion_match_counter
 
-pytestmark = pytest.mark.slow
+# (its Ray run starts a local cluster: see tests/engine/test_ray_executor.py's group)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
 
 PROMPTS = ["Hello world", "The capital of France is"]
 # Every all-reduce followed by an RMSNorm in a one-layer Llama: the embedding's (-> the

@@ -18,7 +18,10 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.engine.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# ray.init() without an address joins a cluster already running on the machine: another
+# test's local cluster must not be joined (and then shut down under it), so every test that
+# starts one runs on the same xdist worker (--dist loadgroup, pyproject.toml).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
 
 
 @pytest.fixture(scope="module")
