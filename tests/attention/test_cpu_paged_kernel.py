@@ -391,3 +391,35 @@ def test_write_and_attend_stores_scaled_saturated_fp8(cache_dtype, dtype):
     with pytest.raises(RuntimeError, match="k_scale and v_scale must be positive"):
         write_and_attend(query.reshape(tokens, -1), k, v, cache, slots, table, seq_lens,
                          starts, reqs, 0.125, out, k_scale=0.0)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_fp8_writes_round_as_torch_does(cache_dtype, scale):
+    """The kernel's own (vectorized) conversion into an FP8 cache gives torch's bytes for every
+    representable value, the midpoints between neighbours (ties to even) and a hair either
+    side, subnormals, values past the range (saturated), tiny ones and NaN of either sign."""
+    from vllm.attention.backends.cache_storage import to_cache
+    from vllm.attention.backends.cpu_paged_kernel import write_and_attend
+
+    codes = torch.arange(256, dtype=torch.uint8).view(cache_dtype).float()
+    codes = codes[codes.isfinite()].unique()
+    mids = (codes[1:] + codes[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([codes, mids, torch.nextafter(mids, torch.tensor(1e9)),
+                        torch.nextafter(mids, torch.tensor(-1e9)),
+                        torch.randn(3000, generator=gen) * 50,
+                        torch.randn(1000, generator=gen) * 1e-3,
+                        torch.randn(1000, generator=gen) * 1e-5,
+                        torch.tensor([1e6, -1e6, float("nan"), -float("nan"), 1e-30, -1e-30])])
+    # rows of 40 (a head size of 40): two 16-value vectors and a scalar tail of 8 each
+    rows = torch.cat([values, torch.zeros(-values.numel() % 40)]).view(-1, 40)
+    n = rows.shape[0]
+    cache = torch.zeros(2, n + 1, 1, 1, 40, dtype=cache_dtype)
+    write_and_attend(torch.randn(n, 40), rows, rows.clone(), cache, torch.arange(1, n + 1),
+                     torch.arange(1, n + 1, dtype=torch.int32).view(n, 1),
+                     torch.ones(n, dtype=torch.long), torch.arange(n + 1), torch.arange(n),
+                     0.1, torch.empty(n, 40), k_scale=scale, v_scale=scale)
+    expected = to_cache(rows, cache_dtype, scale).view(torch.uint8)
+    assert torch.equal(cache[0, 1:, 0, 0].view(torch.uint8), expected)
+    assert torch.equal(cache[1, 1:, 0, 0].view(torch.uint8), expected)

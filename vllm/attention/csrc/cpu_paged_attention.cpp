@@ -165,6 +165,45 @@ constexpr float kFp8Max<c10::Float8_e5m2> = 57344.0f;
 template <typename T>
 constexpr bool kIsFp8 = kFp8Max<T> > 0.0f;
 
+// out[0:n] = the FP8 bytes of x[0:n] (|x| at most the format's largest finite value, or NaN),
+// rounded to nearest even as c10's (and torch's) conversion rounds them, 16 at a time (c10's
+// own is a scalar loop of branches: ~4 ns a value for E4M3, a tenth of a 2048-token prompt's
+// time at 8 layers). Fp8: c10::Float8_e4m3fn (3 mantissa bits, bias 7) or c10::Float8_e5m2
+// (2, 15).
+template <typename Fp8>
+inline void to_fp8(const float* x, uint8_t* out, int64_t n) {
+  constexpr int kMant = std::is_same_v<Fp8, c10::Float8_e4m3fn> ? 3 : 2;
+  constexpr int kBias = kMant == 3 ? 7 : 15;
+  constexpr int kShift = 23 - kMant;
+  const float min_normal = std::ldexp(1.0f, 1 - kBias);
+  const float inv_step = std::ldexp(1.0f, kBias - 1 + kMant);  // 1 / the subnormal step
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    vf v;
+    std::memcpy(&v, x + i, sizeof(v));
+    vi bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const vi sign = (bits >> 24) & 0x80;
+    const vi abs_bits = bits & 0x7FFFFFFF;
+    vf a;
+    std::memcpy(&a, &abs_bits, sizeof(a));
+    // normal: the mantissa rounded to kMant bits (nearest even; a carry moves the exponent),
+    // the exponent rebiased from 127 to kBias
+    const vi normal = ((abs_bits + ((1 << (kShift - 1)) - 1) + ((abs_bits >> kShift) & 1)) >>
+                       kShift) - ((127 - kBias) << kMant);
+    // below the smallest normal: multiples of the subnormal step, to nearest even by adding
+    // and taking away 2^23
+    const vi sub = __builtin_convertvector((a * inv_step + 8388608.0f) - 8388608.0f, vi);
+    const vi code = a != a ? vi{} + 0x7F : (a < min_normal ? sub : normal);  // NaN: 0x7F
+    const vi signed_code = code | sign;
+    for (int l = 0; l < 16; ++l) out[i + l] = static_cast<uint8_t>(signed_code[l]);
+  }
+  for (; i < n; ++i) {
+    const Fp8 f(x[i]);
+    std::memcpy(out + i, &f, 1);
+  }
+}
+
 template <typename T>
 inline T from_float(float v) {
   return static_cast<T>(v);
@@ -1135,24 +1174,24 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
   const int64_t v_stride = value.stride(0) * value.element_size();
   // A row of another dtype is converted, rounded to nearest even; into an FP8 cache it is
   // divided by its scale first and saturates at the format's largest finite value.
-  const auto convert_row = [&](char* dst, const char* src, float inv_scale) {
+  std::vector<float> scaled(KVH * D);
+  const auto convert_row = [&](char* dst, const char* src, float scale) {
     dispatch_types(key.scalar_type(), kv_cache.scalar_type(), [&](auto src_type, auto dst_type) {
       using S = decltype(src_type);
       using C = decltype(dst_type);
       const S* in = reinterpret_cast<const S*>(src);
       C* o = reinterpret_cast<C*>(dst);
-      for (int64_t i = 0; i < KVH * D; ++i) {
-        if constexpr (kIsFp8<C>) {
-          const float v = to_float(in[i]) * inv_scale;
-          o[i] = C(std::min(std::max(v, -kFp8Max<C>), kFp8Max<C>));
-        } else {
-          o[i] = C(to_float(in[i]));
-        }
+      if constexpr (kIsFp8<C>) {
+        for (int64_t i = 0; i < KVH * D; ++i)  // (divided, as cache_storage.to_cache does)
+          scaled[i] = std::min(std::max(to_float(in[i]) / scale, -kFp8Max<C>), kFp8Max<C>);
+        to_fp8<C>(scaled.data(), reinterpret_cast<uint8_t*>(o), KVH * D);
+      } else {
+        for (int64_t i = 0; i < KVH * D; ++i) o[i] = C(to_float(in[i]));
       }
     });
   };
   const bool same = key.scalar_type() == kv_cache.scalar_type();
-  const float inv_k = static_cast<float>(1.0 / k_scale), inv_v = static_cast<float>(1.0 / v_scale);
+  const float k_div = static_cast<float>(k_scale), v_div = static_cast<float>(v_scale);
   for (int64_t t = 0; t < slot_mapping.numel(); ++t) {
     const int64_t slot = slots[t];
     TORCH_CHECK(slot >= 0 && slot < n_slots, "slot ", slot, " out of range");
@@ -1160,8 +1199,8 @@ void write_and_attend(const at::Tensor& query, const at::Tensor& key, const at::
       std::memcpy(k_cache + slot * row_bytes, k_src + t * k_stride, row_bytes);
       std::memcpy(v_cache + slot * row_bytes, v_src + t * v_stride, row_bytes);
     } else {
-      convert_row(k_cache + slot * row_bytes, k_src + t * k_stride, inv_k);
-      convert_row(v_cache + slot * row_bytes, v_src + t * v_stride, inv_v);
+      convert_row(k_cache + slot * row_bytes, k_src + t * k_stride, k_div);
+      convert_row(v_cache + slot * row_bytes, v_src + t * v_stride, v_div);
     }
   }
   paged_attention(query.as_strided({T, H, D}, {query.stride(0), D, 1}), kv_cache, block_table,
