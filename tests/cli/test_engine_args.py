@@ -245,18 +245,25 @@ def test_upstream_compat_args_accepted_off_or_refused_by_name(tiny, caplog):
         config = EngineArgs(model=tiny, quantization=None, seed=None, revision="main",
                             download_dir="/tmp", swap_space=8, cpu_offload_gb=0,
                             enable_lora=False, async_scheduling=False,
-                            model_impl="auto").create_engine_config()
+                            model_impl="auto", calculate_kv_scales=False,
+                            kv_cache_dtype="fp8").create_engine_config()
     assert config.model_config.seed == 0
     assert "revision='main' is ignored" in caplog.text and "swap_space is ignored" in caplog.text
     for kwargs, match in [({"quantization": "fp8"}, "no online quantization"),
                           ({"enable_lora": True}, "enable_lora=True .* no LoRA"),
                           ({"cpu_offload_gb": 4}, "cpu_offload_gb=4"),
-                          ({"model_impl": "transformers"}, "model_impl='transformers'")]:
+                          ({"model_impl": "transformers"}, "model_impl='transformers'"),
+                          ({"calculate_kv_scales": True},
+                           "calculate_kv_scales=True .* from the checkpoint, else 1.0")]:
         with pytest.raises(ValueError, match=match):
             EngineArgs(model=tiny, **kwargs).create_engine_config()
     args = from_argv("--model", tiny, "--revision", "main", "--swap-space", "2",
-                     "--hf-overrides", '{"rope_theta": 1234.0}', "--no-async-scheduling")
+                     "--hf-overrides", '{"rope_theta": 1234.0}', "--no-async-scheduling",
+                     "--kv-cache-dtype", "fp8_e5m2")
     assert (args.revision, args.swap_space, args.async_scheduling) == ("main", 2.0, False)
+    assert args.kv_cache_dtype == "fp8_e5m2" and args.calculate_kv_scales is False
+    with pytest.raises(ValueError, match="calculate_kv_scales=True is not supported"):
+        from_argv("--model", tiny, "--calculate-kv-scales").create_engine_config()
     overridden = args.create_engine_config()
     assert overridden.model_config.hf_config.rope_theta == 1234.0
     assert overridden.model_config.compute_hash() != config.model_config.compute_hash()

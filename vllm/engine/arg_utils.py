@@ -92,6 +92,8 @@ COMPAT_ARGS: dict[str, tuple[tuple, str]] = {
     "enable_sleep_mode": ((False,), "sleep mode"),
     "skip_tokenizer_init": ((False,), "tokenizer-free mode"),
     "disable_sliding_window": ((False,), "switch to drop sliding windows"),
+    "calculate_kv_scales": ((False,), "FP8 KV-cache scales computed at run time (they come "
+                            "from the checkpoint, else 1.0)"),
     "async_scheduling": ((None, False), "asynchronous scheduling"),
     "model_impl": (("auto", "vllm"), "Transformers-backend model implementation"),
 }
@@ -149,6 +151,7 @@ class EngineArgs:
     enable_lora: bool = False
     enable_sleep_mode: bool = False
     skip_tokenizer_init: bool = False
+    calculate_kv_scales: bool = False
     disable_sliding_window: bool = False
     async_scheduling: bool | None = None
     model_impl: str = "auto"
@@ -306,7 +309,7 @@ class EngineArgs:
         compat.add_argument("--cpu-offload-gb", type=float, default=d.cpu_offload_gb,
                             help="Only 0 (no weight offloading).")
         for flag in ("--enable-lora", "--enable-sleep-mode", "--skip-tokenizer-init",
-                     "--disable-sliding-window"):
+                     "--disable-sliding-window", "--calculate-kv-scales"):
             compat.add_argument(flag, action="store_true", help="Not supported (only off).")
         compat.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                             default=d.async_scheduling, help="Only off.")
