@@ -393,6 +393,28 @@ def test_kv_cache_too_small_is_a_clear_error(llama_path):
 
 
 @pytest.mark.slow
+def test_a_dropped_tensor_parallel_llm_leaves_no_process_group(llama_path):
+    """`del llm` of a tensor-parallel engine (no shutdown()): its workers stop and this
+    process leaves the process group, so the next LLM starts, of either size (it used to
+    refuse: "tensor_parallel_size=1 but the tensor-parallel group has 2 rank(s)")."""
+    import gc
+
+    import torch.distributed as dist
+
+    for size in (2, 1, 2):
+        llm = LLM(model=llama_path, optimization_level=0, max_model_len=128,
+                  tensor_parallel_size=size)
+        assert len(llm.generate(PROMPTS[0], greedy(4), use_tqdm=False)[0].outputs[0]
+                   .token_ids) == 4
+        procs = list(getattr(llm.llm_engine.executor, "_procs", []))
+        del llm
+        gc.collect()
+        assert not dist.is_initialized()
+        assert not any(p.is_alive() for p in procs)
+
+
+
+@pytest.mark.slow
 def test_tensor_parallel_2_matches_transformers(llama_path, hf_greedy, capfd):
     """Two ranks (gloo on the CPU): rank 0 in this process, rank 1 spawned; the worker's log
     lines name its rank."""

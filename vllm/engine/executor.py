@@ -172,7 +172,8 @@ class MultiprocExecutor(UniProcExecutor):
             self._procs.append(proc)
             self._conns.append(parent)
         self._watch = _WorkerWatch(self._procs)
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns,
+        # (also when the engine is only dropped, `del llm`, without shutdown())
+        self._finalizer = weakref.finalize(self, _release_ranks, self._procs, self._conns,
                                            self._watch)
         self.worker = Worker(vllm_config, rank=0, local_rank=0,
                              distributed_init_method=init_method)
@@ -344,6 +345,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _release_ranks(procs: list[Any], conns: list[Any], watch: _WorkerWatch) -> None:
+    """Stop ranks 1..N-1 and take rank 0 (this process) out of the process group: an engine
+    dropped without shutdown() had left its group behind, and the next LLM in the process
+    (of any tensor-parallel size) refused to start."""
+    _stop_workers(procs, conns, watch)
+    try:
+        from vllm.distributed import destroy_distributed_environment
+
+        destroy_distributed_environment()
+    except Exception:  # (at interpreter exit the modules may be gone)
+        pass
 
 
 def _stop_workers(procs: list[Any], conns: list[Any], watch: _WorkerWatch) -> None:
