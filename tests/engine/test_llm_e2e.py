@@ -2,6 +2,9 @@
 caching, chunked prefill, preemption and aborts; sampling features; errors."""
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 from engine_test_utils import MAX_TOKENS, PROMPTS
@@ -231,12 +234,15 @@ def test_kv_cache_dtype_stores_bfloat16(llm, llama_path):
 
 @pytest.mark.parametrize("name,dtype,tol", [("fp8", torch.float8_e4m3fn, 0.1),
                                             ("fp8_e5m2", torch.float8_e5m2, 0.25)])
-def test_kv_cache_dtype_fp8(llm, llama_path, name, dtype, tol):
+def test_kv_cache_dtype_fp8(llm, llama_path, name, dtype, tol, caplog):
     """kv_cache_dtype="fp8" (E4M3, as upstream's) and "fp8_e5m2": one byte a value, a quarter
     of the float32 model's cache per block; generation runs (through the CPU kernel where it
     is built) with the first greedy tokens and the logprobs near the float32 cache's (E5M2
     keeps 2 bits of mantissa, E4M3 3)."""
-    eight = LLM(model=llama_path, optimization_level=0, max_model_len=256, kv_cache_dtype=name)
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        eight = LLM(model=llama_path, optimization_level=0, max_model_len=256,
+                    kv_cache_dtype=name)
+    assert re.search(rf"KV cache: .*, {str(dtype)[6:]}, \d+ bytes per block", caplog.text)
     runner = eight.llm_engine.executor.worker.model_runner
     assert {c.dtype for c in runner.kv_caches.values()} == {dtype}
     assert {layer.k_scale for layer in runner.attention_layers.values()} == {1.0}
@@ -536,8 +542,6 @@ def test_generation_and_tokenizer_settings_are_checked(llama_path, kwargs, match
 
 
 def test_slow_tokenizer_mode_asks_for_the_python_tokenizer(monkeypatch, caplog):
-    import logging
-
     from transformers import AutoTokenizer
 
     from vllm.engine.llm_engine import load_tokenizer

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.engine.errors import EngineFatalError
-from vllm.engine.worker import GiB, Worker, output_rank
+from vllm.engine.worker import GiB, Worker, kv_cache_dtype, output_rank
 from vllm.logger import init_logger, set_process_prefix
 
 if TYPE_CHECKING:
@@ -111,10 +111,12 @@ class UniProcExecutor(Executor):
         block_bytes, kv_source = self._kv_info()
         size = self.num_blocks * block_bytes
         size_text = f"{size / GiB:.2f} GiB" if size >= GiB / 10 else f"{size / 2**20:.2f} MiB"
+        dtype = str(kv_cache_dtype(self.vllm_config)).removeprefix("torch.")
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %s, %d bytes per block; %s); "
+            "KV cache: %d blocks of %d tokens (%d tokens, %s, %s, %d bytes per block; %s); "
             "maximum concurrency for %d-token requests: %.2fx", usable, cc.block_size, tokens,
-            size_text, block_bytes, kv_source, sc.max_model_len, tokens / sc.max_model_len)
+            size_text, dtype, block_bytes, kv_source, sc.max_model_len,
+            tokens / sc.max_model_len)
 
     def _kv_info(self) -> tuple[int, str]:
         """(bytes per KV block, where the cache size came from) of rank 0."""
