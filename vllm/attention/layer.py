@@ -86,8 +86,7 @@ class Attention(nn.Module):
     def set_kv_scale(self, which: str, value: torch.Tensor | float) -> None:
         """Set `k_scale`, `v_scale` or both ("kv") from a checkpoint's scale (a scalar, or one
         value per shard: the largest counts)."""
-        scale = float(torch.as_tensor(value).float().max()) if isinstance(
-            value, torch.Tensor) else float(value)
+        scale = float(value.float().max()) if isinstance(value, torch.Tensor) else float(value)
         if not (scale > 0.0 and scale != float("inf")):
             raise ValueError(f"{which}_scale of {self.layer_name!r} must be a positive finite "
                              f"number, got {scale}")

@@ -7,10 +7,10 @@ from vllm.config.utils import hash_fields, parse_human_size
 
 _CACHE_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
                         "float": "float32", "fp32": "float32"}
-# FP8 caches: the stored torch dtype of each name ("fp8" is E4M3, as upstream's).
-FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+# FP8 caches: the torch dtype each name stores ("fp8" is E4M3, as upstream's).
+FP8_CACHE_TORCH_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
                     "fp8_e5m2": "float8_e5m2"}
-CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", *FP8_CACHE_DTYPES)
+CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", *FP8_CACHE_TORCH_DTYPES)
 
 
 @dataclass

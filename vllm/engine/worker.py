@@ -24,12 +24,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def kv_cache_dtype(vllm_config: VllmConfig) -> torch.dtype:
-    from vllm.config.cache import FP8_CACHE_DTYPES
+    from vllm.config.cache import FP8_CACHE_TORCH_DTYPES
 
     name = vllm_config.cache_config.cache_dtype
     if name == "auto":
         return vllm_config.model_config.torch_dtype
-    return getattr(torch, FP8_CACHE_DTYPES.get(name, name))
+    return getattr(torch, FP8_CACHE_TORCH_DTYPES.get(name, name))
 
 
 def bytes_per_block(attention_layers: dict, block_size: int, dtype: torch.dtype) -> int:

@@ -31,7 +31,6 @@ def from_cache(rows: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> to
     return rows.to(dtype)
 
 
-
 def kv_scales(layer: Any, kv_cache: torch.Tensor) -> tuple[float, float]:
     """The layer's (k_scale, v_scale) for an FP8 cache (Attention.set_kv_scale), (1.0, 1.0)
     for any other."""

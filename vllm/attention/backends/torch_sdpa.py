@@ -211,8 +211,8 @@ class TorchSDPAImpl(AttentionImpl):
                        kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> bool:
         """Whether the C++ kernel (`cpu_paged_kernel.write_and_attend`) computes this call:
         CPU tensors of one dtype over a cache the kernel takes (`kernel_takes`) and an int32
-        block table. Decided once per cache
-        tensor and input dtypes; the kernel's arguments that never change are made then."""
+        block table. Decided once per cache tensor and input dtypes; the kernel's arguments
+        that never change are made then."""
         dtypes = (query.dtype, key.dtype, value.dtype, md.block_table.dtype)
         if kv_cache is not self._kernel_cache() or dtypes != self._kernel_dtypes:
             self._kernel_ok = (query.device.type == "cpu" and key.dtype == query.dtype
