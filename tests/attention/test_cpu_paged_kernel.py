@@ -224,36 +224,43 @@ def test_write_and_attend_writes_then_attends():
                          0.25, out)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("query_dtype,cache_dtype",
+                         [(q, c) for q in FLOATS for c in FLOATS if q != c])
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(8, 8, 64), (14, 2, 64), (6, 3, 80)])
 @pytest.mark.parametrize("requests", [
     [(9, 1), (0, 7), (5, 3), (30, 1), (13, 40), (0, 1), (31, 1)],  # mixed: every path
     [((37 * i) % 211 + 1, 1) for i in range(16)],  # a decode batch: cache order
 ], ids=["mixed", "decode16"])
 @pytest.mark.parametrize("window,cap", [(None, None), (24, 20.0)])
-def test_kernel_float_query_over_a_16bit_cache(cache_dtype, heads, kv_heads, head_size,
-                                               requests, window, cap):
-    """kv_cache_dtype bfloat16/float16 under a float32 model: the float32 query attends over
-    the 16-bit cache in float32 math (the reference widens the same stored values), on every
-    path (decode rows in both read orders, prompt rows in the lanes, other head sizes per
-    row), with a window and soft-capping too; out stays float32."""
+def test_kernel_query_over_a_cache_of_another_dtype(query_dtype, cache_dtype, heads, kv_heads,
+                                                    head_size, requests, window, cap):
+    """kv_cache_dtype other than the model's (a 16-bit cache under float32 weights, a float32
+    one under bfloat16 ...): the query attends over the cache in float32 math (the reference
+    widens the same stored values), on every path (decode rows in both read orders, prompt
+    rows in the lanes, other head sizes per row), with a window and soft-capping too; out
+    has the query's dtype."""
     query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
                                                        16, torch.float32, seed=5)
-    cache = cache.to(cache_dtype)
+    query, cache = query.to(query_dtype), cache.to(cache_dtype)
     reqs = torch.arange(len(requests))
-    out = torch.full(query.shape, 7.0)
-    ref = torch.zeros(query.shape)
+    out = torch.full(query.shape, 7.0, dtype=query_dtype)
+    ref = torch.zeros(query.shape, dtype=query_dtype)
     on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125, out,
                    window, cap)
     paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref,
                               window, cap)
-    assert out.dtype == torch.float32 and not out.isnan().any()
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not out.isnan().any()
+    tol = 1e-5 if query_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_write_and_attend_rounds_float_rows_into_a_16bit_cache(cache_dtype):
-    """float32 q/k/v over a 16-bit cache: the new rows are stored as torch rounds them
+@pytest.mark.parametrize("dtype,cache_dtype",
+                         [(q, c) for q in FLOATS for c in FLOATS if q != c])
+def test_write_and_attend_converts_rows_into_a_cache_of_another_dtype(dtype, cache_dtype):
+    """q/k/v over a cache of another dtype: the new rows are stored as torch converts them
     (`.to(cache_dtype)`, nearest even), then attended in float32."""
     from vllm.attention.backends.cpu_paged_kernel import write_and_attend
 
@@ -264,8 +271,9 @@ def test_write_and_attend_rounds_float_rows_into_a_16bit_cache(cache_dtype):
     cache = cache.nan_to_num(0.0).to(cache_dtype)
     tokens = query.shape[0]
     # values that round differently by mode, and one past bfloat16's 8 bits of mantissa
-    k = torch.randn(tokens, kv_heads * head_size) * 3 + 1 / 3
-    v = torch.randn(tokens, kv_heads * head_size) + 1 + 2 ** -9
+    k = (torch.randn(tokens, kv_heads * head_size) * 3 + 1 / 3).to(dtype)
+    v = (torch.randn(tokens, kv_heads * head_size) + 1 + 2 ** -9).to(dtype)
+    query = query.to(dtype)
     slots = torch.tensor([int(table[r, p // block_size]) * block_size + p % block_size
                           for r, (c, n) in enumerate(requests) for p in range(c, c + n)])
     reqs = torch.arange(len(requests))
@@ -273,18 +281,19 @@ def test_write_and_attend_rounds_float_rows_into_a_16bit_cache(cache_dtype):
     flat = ref_cache.view(2, -1, kv_heads, head_size)
     flat[0].index_copy_(0, slots, k.view(tokens, kv_heads, head_size).to(cache_dtype))
     flat[1].index_copy_(0, slots, v.view(tokens, kv_heads, head_size).to(cache_dtype))
-    ref = torch.zeros(query.shape)
+    ref = torch.zeros(query.shape, dtype=dtype)
     paged_attention_reference(query, ref_cache, table, seq_lens, starts, reqs, 0.125, ref)
     q = query.reshape(tokens, heads * head_size)
-    out = torch.zeros(tokens, heads * head_size)
+    out = torch.zeros(tokens, heads * head_size, dtype=dtype)
     write_and_attend(q, k, v, cache, slots, table, seq_lens, starts, reqs, 0.125, out)
     assert torch.equal(cache, ref_cache)
-    torch.testing.assert_close(out.view(query.shape), ref, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.view(query.shape).float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.bfloat16, torch.float32),
-                                                     (torch.float16, torch.bfloat16),
+@pytest.mark.parametrize("query_dtype,cache_dtype", [(torch.float64, torch.float32),
                                                      (torch.float32, torch.float64),
+                                                     (torch.float32, torch.int8),
                                                      (torch.float64, torch.float8_e4m3fn)])
 def test_kernel_refuses_other_dtype_pairs_by_name(query_dtype, cache_dtype):
     from vllm.attention.backends.cpu_paged_kernel import kernel_takes

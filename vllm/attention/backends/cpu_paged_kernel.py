@@ -32,13 +32,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def kernel_takes(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the kernel computes a `query_dtype` query over a `cache_dtype` KV cache: the
-    same supported dtype, an FP8 cache under any of them, or a float32 query over a bfloat16 or
-    float16 cache (kv_cache_dtype under a float32 model). The math is float32 throughout."""
-    if query_dtype not in SUPPORTED_DTYPES:
-        return False
-    return (query_dtype == cache_dtype or cache_dtype in FP8_CACHE_DTYPES
-            or (query_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)))
+    """Whether the kernel computes a `query_dtype` query over a `cache_dtype` KV cache: any of
+    SUPPORTED_DTYPES over any of them or an FP8 cache (kv_cache_dtype may differ from the
+    model's dtype). The math is float32 throughout."""
+    return query_dtype in SUPPORTED_DTYPES and (cache_dtype in SUPPORTED_DTYPES
+                                                or cache_dtype in FP8_CACHE_DTYPES)
 
 
 def cpu_paged_attention_available() -> bool:

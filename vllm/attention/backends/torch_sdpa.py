@@ -7,10 +7,9 @@ masked by the request's sequence length).
 
 On the CPU, when the C++ kernel of cpu_paged_kernel.py is built, one call per layer computes
 every request (decode rows, fresh prompts and chunks with context) straight from the paged
-cache (a float32 model's cache may be bfloat16 or float16, any model's FP8:
-kv_cache_dtype; cache_storage.py says what an FP8 cache holds). Elsewhere, or
-when the kernel cannot serve the batch (a build failure, another pair of query and cache
-dtypes), the plain-torch path runs.
+cache, whose dtype may differ from the model's (kv_cache_dtype: float32, bfloat16, float16 or
+FP8; cache_storage.py says what each holds). Elsewhere, or when the kernel cannot serve the
+batch (a build failure, another dtype), the plain-torch path runs.
 
 Plain-torch strategy (the op is opaque to Dynamo, so host-side lists may steer it):
 - decode requests (one query token) are batched: their blocks are gathered into

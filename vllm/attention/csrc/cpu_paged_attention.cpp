@@ -11,9 +11,9 @@
 //                                            (2-D q/k/v/out)
 //
 // query  [T, H, D]   (rows may be strided; the head and channel dims must be dense)
-// kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, the query's dtype, bfloat16 or
-//                                               float16 under a float32 query, or FP8
-//                                               (float8_e4m3fn, float8_e5m2) under any query
+// kv_cache [2, num_blocks, block_size, KVH, D]   contiguous, float32, bfloat16, float16 or
+//                                               FP8 (float8_e4m3fn, float8_e5m2), whatever
+//                                               the query's (float32, bfloat16, float16)
 // k_scale, v_scale: the cache holds K / k_scale and V / v_scale (FP8 caches' per-layer scales;
 // 1.0 otherwise); written rows are divided by them, read ones multiplied
 // block_table [R, max_blocks] int32, seq_lens [R] int64, query_start_loc [R + 1] int64
@@ -1038,24 +1038,23 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   });
 }
 
-// The (query, cache) dtype pairs the kernel is built for: one of float32, bfloat16 and
-// float16 for both; a float32 query over a 16-bit cache (kv_cache_dtype="bfloat16" or
-// "float16" under a float32 model: half the cache's bytes to read); any of the three over an
-// FP8 cache (float8_e4m3fn or float8_e5m2, kv_cache_dtype="fp8..."). The arithmetic is float32.
+// The (query, cache) dtype pairs the kernel is built for: a float32, bfloat16 or float16
+// query over a cache of any of those or of FP8 (float8_e4m3fn, float8_e5m2): kv_cache_dtype
+// may differ from the model's dtype (a 16-bit cache under float32 weights halves the bytes
+// read, FP8 quarters them). The arithmetic is float32 whatever the pair.
 bool cache_dtype_supported(at::ScalarType query, at::ScalarType cache) {
-  const bool query_ok =
-      query == at::kFloat || query == at::kBFloat16 || query == at::kHalf;
-  const bool cache_16 = cache == at::kBFloat16 || cache == at::kHalf;
-  const bool cache_8 = cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2;
-  return query_ok && (query == cache || cache_8 || (query == at::kFloat && cache_16));
+  const bool query_ok = query == at::kFloat || query == at::kBFloat16 || query == at::kHalf;
+  const bool cache_ok = cache == at::kFloat || cache == at::kBFloat16 || cache == at::kHalf ||
+                        cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2;
+  return query_ok && cache_ok;
 }
 
 std::string unsupported_pair(const char* op, const at::Tensor& query,
                              const at::Tensor& kv_cache) {
   return std::string(op) + ": a " + c10::toString(query.scalar_type()) + " query over a " +
          c10::toString(kv_cache.scalar_type()) +
-         " cache is not supported (the cache must have the query's dtype, be Float8_e4m3fn or "
-         "Float8_e5m2, or be BFloat16 or Half under a Float query)";
+         " cache is not supported (queries: Float, BFloat16, Half; caches: those, "
+         "Float8_e4m3fn, Float8_e5m2)";
 }
 
 // Calls f(QT{}, T{}) for the query and cache types of a supported pair.
@@ -1073,12 +1072,11 @@ void dispatch_types(at::ScalarType query, at::ScalarType cache, F&& f) {
   };
   switch (cache) {
     case at::kFloat:
-      return f(float{}, float{});
+      return with_query(float{});
     case at::kBFloat16:
-      return query == at::kFloat ? f(float{}, c10::BFloat16{})
-                                 : f(c10::BFloat16{}, c10::BFloat16{});
+      return with_query(c10::BFloat16{});
     case at::kHalf:
-      return query == at::kFloat ? f(float{}, c10::Half{}) : f(c10::Half{}, c10::Half{});
+      return with_query(c10::Half{});
     case at::kFloat8_e4m3fn:
       return with_query(c10::Float8_e4m3fn{});
     default:  // at::kFloat8_e5m2
