@@ -58,6 +58,22 @@ def on_two_threads(fn, *args):
         torch.set_num_threads(threads)
 
 
+def assert_matches_reference(query, cache, table, seq_lens, starts, window=None, cap=None,
+                             k_scale=1.0, v_scale=1.0):
+    """The kernel on two threads over every request equals the reference (no NaN, no row left
+    unwritten), to float32 rounding for a float32 query, else to the query dtype's."""
+    reqs = torch.arange(len(seq_lens))
+    out = torch.full(query.shape, 7.0, dtype=query.dtype)
+    ref = torch.zeros(query.shape, dtype=query.dtype)
+    on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125, out,
+                   window, cap, k_scale, v_scale)
+    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref,
+                              window, cap, k_scale, v_scale)
+    assert not out.isnan().any()
+    tol = 1e-5 if query.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_size,block_size",
                          [(4, 4, 16, 4), (14, 2, 64, 16), (8, 1, 32, 8), (4, 2, 128, 16),
@@ -109,19 +125,9 @@ def test_kernel_decode_batches_in_both_read_orders(dtype, heads, kv_heads, head_
     alike (vectors of the ISA's width). All match the reference, with a sliding window and
     with logits soft-capping too."""
     lengths = [(37 * i) % 211 + 1 for i in range(n_requests)]
-    query, cache, table, seq_lens, starts = make_batch([(n, 1) for n in lengths], heads,
-                                                       kv_heads, head_size, 16, dtype,
-                                                       seed=n_requests)
-    reqs = torch.arange(n_requests)
-    out = torch.full(query.shape, 7.0, dtype=dtype)
-    ref = torch.zeros(query.shape, dtype=dtype)
-    on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125, out,
-                   window, cap)
-    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref,
-                              window, cap)
-    assert not out.isnan().any()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    batch = make_batch([(n, 1) for n in lengths], heads, kv_heads, head_size, 16, dtype,
+                       seed=n_requests)
+    assert_matches_reference(*batch, window, cap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -244,17 +250,8 @@ def test_kernel_query_over_a_cache_of_another_dtype(query_dtype, cache_dtype, he
     has the query's dtype."""
     query, cache, table, seq_lens, starts = make_batch(requests, heads, kv_heads, head_size,
                                                        16, torch.float32, seed=5)
-    query, cache = query.to(query_dtype), cache.to(cache_dtype)
-    reqs = torch.arange(len(requests))
-    out = torch.full(query.shape, 7.0, dtype=query_dtype)
-    ref = torch.zeros(query.shape, dtype=query_dtype)
-    on_two_threads(paged_attention, query, cache, table, seq_lens, starts, reqs, 0.125, out,
-                   window, cap)
-    paged_attention_reference(query, cache, table, seq_lens, starts, reqs, 0.125, ref,
-                              window, cap)
-    assert not out.isnan().any()
-    tol = 1e-5 if query_dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert_matches_reference(query.to(query_dtype), cache.to(cache_dtype), table, seq_lens,
+                             starts, window, cap)
 
 
 @pytest.mark.parametrize("dtype,cache_dtype",
@@ -326,17 +323,8 @@ def test_kernel_over_an_fp8_cache(cache_dtype, query_dtype, requests, window, ca
     k_scale, v_scale = 0.25, 3.0
     stored = torch.stack([to_cache(cache[0] * 2, cache_dtype, k_scale),
                           to_cache(cache[1], cache_dtype, v_scale)])
-    query = query.to(query_dtype)
-    reqs = torch.arange(len(requests))
-    out = torch.full(query.shape, 7.0, dtype=query_dtype)
-    ref = torch.zeros(query.shape, dtype=query_dtype)
-    on_two_threads(paged_attention, query, stored, table, seq_lens, starts, reqs, 0.125, out,
-                   window, cap, k_scale, v_scale)
-    paged_attention_reference(query, stored, table, seq_lens, starts, reqs, 0.125, ref,
-                              window, cap, k_scale, v_scale)
-    assert not out.isnan().any()
-    tol = 1e-5 if query_dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    assert_matches_reference(query.to(query_dtype), stored, table, seq_lens, starts, window,
+                             cap, k_scale, v_scale)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
