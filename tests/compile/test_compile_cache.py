@@ -49,6 +49,31 @@ def test_key_covers_what_changes_the_graph_and_nothing_memory_sized(tmp_path):
     assert key_of(config(), [source]) != base
 
 
+def test_key_covers_the_instruction_set_the_process_is_limited_to(monkeypatch):
+    """ATen's capability (ATEN_CPU_CAPABILITY: Inductor vectorizes its C++ for it) and our
+    kernels' level (VLLM_CPU_ISA) are part of the key: a run limited to AVX2 on an AVX-512
+    machine gets its own entries (it had shared them, so whichever compiled first decided the
+    other's code)."""
+    import torch
+
+    from vllm.utils.cpu_info import cpu_isa_level, supported_isa_levels
+
+    cfg = config()
+    keys = set()
+    for capability in ("AVX512", "AVX2", "DEFAULT"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        factors = compute_cache_factors(cfg, [], "p")
+        assert factors["machine"].split("-")[-1].startswith(capability + "/")
+        keys.add(compute_cache_key(factors))
+    assert len(keys) == 3
+    monkeypatch.delenv("VLLM_CPU_ISA", raising=False)
+    if "avx2" in supported_isa_levels() and cpu_isa_level() != "avx2":  # (a level below)
+        monkeypatch.setenv("VLLM_CPU_ISA", "avx2")
+        limited = compute_cache_key(compute_cache_factors(cfg, [], "p"))
+        monkeypatch.delenv("VLLM_CPU_ISA")
+        assert limited != compute_cache_key(compute_cache_factors(cfg, [], "p"))
+
+
 @pytest.mark.parametrize("platform", ["cuda"], indirect=True)
 def test_key_covers_the_gpu(monkeypatch, platform):
     """Triton kernels are built for one GPU architecture and FP8 layers pick their GEMM by

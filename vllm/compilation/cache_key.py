@@ -2,7 +2,8 @@
 
 The key covers everything that changes the compiled code (`VllmConfig.compute_hash()`, torch,
 triton and our versions, the traced model source, our compiler source, the pass manager's
-uuid, the CPU's instruction set, the GPU) and nothing memory-sized. Each factor is a short
+uuid, the CPU's instruction set and the one the process is limited to, the GPU) and nothing
+memory-sized. Each factor is a short
 string, stored in the entry's manifest so that a person can see why two directories differ.
 """
 from __future__ import annotations
@@ -50,6 +51,23 @@ def cpu_fingerprint() -> str:
     return platform.processor() or "unknown"
 
 
+def code_isa() -> str:
+    """The instruction sets this process compiles and runs for, which the CPU's flags alone do
+    not give: ATen's capability (ATEN_CPU_CAPABILITY; Inductor's C++ kernels are vectorized
+    for it) and our C++ kernels' level (VLLM_CPU_ISA). A run limited to AVX2 on an AVX-512
+    machine (`bench_vs_llamacpp.py --isa avx2`) had shared its entries with unlimited runs: the
+    one that compiled first decided the other's code, and its numerics."""
+    import torch
+
+    from vllm.utils.cpu_info import cpu_isa_level
+
+    try:
+        ours = cpu_isa_level()
+    except ValueError:  # (a bad VLLM_CPU_ISA is refused where the kernels load)
+        ours = "invalid"
+    return f"{torch.backends.cpu.get_cpu_capability()}/{ours}"
+
+
 def compiler_source_files() -> list[str]:
     """Our compile stack's own source: a change in it may change the artifacts."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -82,7 +100,7 @@ def compute_cache_factors(vllm_config: VllmConfig, model_source_files: list[str]
         "model_source": files_hash(model_source_files),
         "compiler_source": files_hash(compiler_source_files()),
         "passes": pass_manager_uuid,
-        "machine": f"{platform.machine()}-{cpu_fingerprint()}",
+        "machine": f"{platform.machine()}-{cpu_fingerprint()}-{code_isa()}",
         "accelerator": _accelerator(vllm_config),
         "pipeline_stage": _pipeline_stage(),
         "tp_all_reduce": _tp_all_reduce(),
